@@ -1,0 +1,38 @@
+# Everything a fresh machine needs: `make quickstart` (the main job) and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+DEB_PACKAGES := tesseract-ocr
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: quickstart test system venv clean-runs
+
+# Debian packages, installed only when run as root and missing (CI runs as root).
+system:
+	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+	  missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi; \
+	fi
+
+# torch/torchvision first and pinned, so no dependency can pull another torch.
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+quickstart: system venv
+	$(VENV)/bin/posttrain pretrain configs/pretrain/emoji_small.yaml
+	$(VENV)/bin/posttrain sample runs/emoji_small/pretrain/export --seed 0 \
+	  --prompts "red apple" "grinning face" "flag: japan" "rocket" "blue heart" "sun" "pizza" "christmas tree" \
+	  --out runs/emoji_small/pretrain/samples/quickstart.png
+
+test: system venv
+	WANDB_MODE=offline $(PY) -m pytest -q tests
+
+clean-runs:
+	rm -rf runs

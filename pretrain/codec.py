@@ -1,0 +1,100 @@
+"""Codecs map images in [0, 1] to the model's sample space and back.
+
+``PatchifyCodec`` is the pixel-space codec of the tiny/small presets; ``VAECodec`` wraps a diffusers
+``AutoencoderKL`` (SD3/FLUX latents with scaling and shift factors) for latent models.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Codec(Protocol):
+    """``encode(images [B, 3, H, W] float in [0, 1]) -> latents [B, C, h, w]``;
+    ``decode(latents) -> images [B, 3, H, W] float32 in [0, 1]``."""
+
+    channels: int
+    downsample: int
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+
+class PatchifyCodec:
+    """Pixel space: images to [-1, 1], then space-to-depth by ``factor`` (1 = identity layout).
+
+    ``channels = 3 * factor**2``, ``downsample = factor``. Decoding clamps to [0, 1]."""
+
+    def __init__(self, factor: int = 1):
+        if factor < 1:
+            raise ValueError(f"PatchifyCodec factor must be >= 1, got {factor}")
+        self.factor = factor
+        self.channels = 3 * factor * factor
+        self.downsample = factor
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        x = images * 2 - 1
+        return F.pixel_unshuffle(x, self.factor) if self.factor > 1 else x
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = F.pixel_shuffle(latents, self.factor) if self.factor > 1 else latents
+        return ((x.float() + 1) / 2).clamp(0, 1)
+
+
+class VAECodec:
+    """A diffusers ``AutoencoderKL`` (or any VAE with ``encode().latent_dist`` / ``decode().sample``):
+    latents = (mean - shift_factor) * scaling_factor, as SD3/FLUX pipelines do. Encoding uses the
+    posterior mean (deterministic)."""
+
+    def __init__(self, vae: torch.nn.Module):
+        self.vae = vae.eval().requires_grad_(False)
+        cfg = vae.config
+        self.scaling_factor = float(getattr(cfg, "scaling_factor", 1.0) or 1.0)
+        self.shift_factor = float(getattr(cfg, "shift_factor", 0.0) or 0.0)
+        self.channels = int(cfg.latent_channels)
+        self.downsample = 2 ** (len(cfg.block_out_channels) - 1)
+
+    @classmethod
+    def from_pretrained(cls, path: str, subfolder: str = "vae") -> "VAECodec":
+        from diffusers import AutoencoderKL
+
+        return cls(AutoencoderKL.from_pretrained(path, subfolder=subfolder))
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        dist = self.vae.encode((images * 2 - 1).to(self.vae.dtype)).latent_dist
+        return (dist.mean - self.shift_factor) * self.scaling_factor
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = self.vae.decode((latents / self.scaling_factor + self.shift_factor).to(self.vae.dtype)).sample
+        return ((x.float() + 1) / 2).clamp(0, 1)
+
+
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass
+class CodecConfig:
+    """``name``: "patchify" (pixel space, ``factor`` space-to-depth) or "vae" (a diffusers
+    ``AutoencoderKL`` from the local folder ``path``/``subfolder``)."""
+
+    name: str = "patchify"
+    factor: int = 1
+    path: str | None = None
+    subfolder: str = "vae"
+
+
+def build_codec(cfg: CodecConfig) -> Codec:
+    """Build a codec; ``ValueError`` for an unknown name or a VAE without a path."""
+    if cfg.name == "patchify":
+        return PatchifyCodec(cfg.factor)
+    if cfg.name == "vae":
+        if not cfg.path:
+            raise ValueError("codec.path: required for the 'vae' codec (a local diffusers folder)")
+        return VAECodec.from_pretrained(cfg.path, cfg.subfolder)
+    raise ValueError(f"codec.name: unknown codec '{cfg.name}' (known: patchify, vae)")

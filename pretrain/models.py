@@ -1,0 +1,83 @@
+"""Backbone presets and the SD3 model adapter.
+
+A model adapter owns its architecture's sigma -> timestep convention: ``SD3Transformer2DModel``
+takes timestep = sigma * 1000 (the SD3 pipeline passes the FlowMatchEulerDiscreteScheduler's
+``timesteps = sigmas * num_train_timesteps``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pretrain.text_encoder import PromptEmbeds
+
+# Pixel-space presets; joint/pooled dims come from the text encoder at build time.
+SD3_PRESETS: dict[str, dict[str, Any]] = {
+    # < 1 M parameters: unit and integration tests.
+    "tiny": dict(patch_size=4, num_layers=2, num_attention_heads=2, attention_head_dim=32, caption_projection_dim=64),
+    # ~5 M parameters: the CPU quickstart.
+    "small": dict(patch_size=4, num_layers=4, num_attention_heads=3, attention_head_dim=64, caption_projection_dim=192),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Backbone choice. ``preset`` names an entry of ``SD3_PRESETS``; ``pretrained`` is a local diffusers
+    folder (transformer weights) that overrides the preset; ``overrides`` patch preset fields."""
+
+    preset: str = "tiny"
+    pretrained: str | None = None
+    subfolder: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+class SD3Adapter(torch.nn.Module):
+    """Wraps ``SD3Transformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) -> v``.
+
+    The velocity is returned in float32 whatever the model dtype."""
+
+    timestep_scale = 1000.0
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """SD3 convention: timestep = sigma * 1000."""
+        return sigma * self.timestep_scale
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        dtype = next(self.transformer.parameters()).dtype
+        out = self.transformer(
+            hidden_states=x.to(dtype), encoder_hidden_states=embeds.tokens.to(dtype),
+            pooled_projections=embeds.pooled.to(dtype), timestep=self.timestep(sigma.to(x.device)).to(dtype),
+            return_dict=False,
+        )[0]
+        return out.float()
+
+
+def build_transformer(cfg: ModelConfig, sample_size: int, channels: int, text_dim: int, pooled_dim: int):
+    """Build (or load from ``cfg.pretrained``) an ``SD3Transformer2DModel``.
+
+    ``sample_size``: spatial size of the codec's output (pixels for ``PatchifyCodec``).
+    Raises ``ValueError`` for an unknown preset or a size the patch does not divide."""
+    from diffusers import SD3Transformer2DModel
+
+    if cfg.pretrained:
+        return SD3Transformer2DModel.from_pretrained(cfg.pretrained, subfolder=cfg.subfolder)
+    if cfg.preset not in SD3_PRESETS:
+        raise ValueError(f"model.preset: unknown preset '{cfg.preset}'; known: {sorted(SD3_PRESETS)}")
+    kw = {**SD3_PRESETS[cfg.preset], **dict(cfg.overrides)}
+    if sample_size % kw["patch_size"]:
+        raise ValueError(f"model: sample size {sample_size} is not divisible by patch_size {kw['patch_size']}")
+    return SD3Transformer2DModel(
+        sample_size=sample_size, in_channels=channels, out_channels=channels, joint_attention_dim=text_dim,
+        pooled_projection_dim=pooled_dim, pos_embed_max_size=sample_size // kw["patch_size"], **kw,
+    )
+
+
+def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)

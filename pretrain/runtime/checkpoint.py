@@ -1,0 +1,95 @@
+"""Atomic training-state checkpoints with torch.distributed.checkpoint (DCP), single process included.
+
+Layout: ``<run>/checkpoints/step_<N>/`` (a DCP folder). A checkpoint is written to
+``.tmp_step_<N>/`` and renamed only once complete, so a crash mid-write never leaves a
+``step_<N>`` folder that does not load; ``latest()`` ignores temp folders.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def rng_state() -> dict:
+    """Every global RNG state: python, numpy, torch CPU and (if present) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+class CheckpointManager:
+    """Save / find / load DCP checkpoints under ``root`` and keep the last ``keep_last``."""
+
+    def __init__(self, root: str | Path, keep_last: int = 2):
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        found = (_STEP.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m and (self.root / m.group(0) / ".metadata").is_file())
+
+    def latest(self) -> Path | None:
+        steps = self.steps()
+        return self.root / f"step_{steps[-1]}" if steps else None
+
+    def save(self, step: int, state: dict) -> Path:
+        """Write ``state`` (nested dict of tensors / picklable objects) as ``step_<step>``."""
+        final = self.root / f"step_{step}"
+        tmp = self.root / f".tmp_step_{step}"
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(tmp))
+        if _is_rank0():
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        return final
+
+    def load(self, state: dict, path: str | Path) -> None:
+        """Load ``path`` into the template ``state`` in place (same keys as when saved)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        for step in self.steps()[: -self.keep_last]:
+            shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
+        for stale in self.root.glob(".tmp_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,59 @@
+"""Config of the training runtime shared by every trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (Loshchilov & Hutter 2019) with linear warm-up then ``schedule`` ("constant" or "cosine"
+    down to ``min_lr_ratio * lr``); gradients clipped to ``grad_clip`` (0 = no clipping)."""
+
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class RuntimeConfig:
+    """``steps``: optimizer steps; ``batch_size``: micro-batch per process; ``grad_accum``: micro-batches
+    per optimizer step. ``precision``: "fp32" | "bf16" (autocast) | "fp16" (autocast + grad scaler).
+    ``ema_decay``: 0 disables EMA; otherwise EMA weights are used for sampling and export.
+    ``max_nonfinite``: consecutive non-finite steps tolerated before the run stops.
+    ``device``: "auto" (cuda if available), "cpu" or "cuda[:i]"; ``threads``: torch CPU threads."""
+
+    steps: int = 100
+    batch_size: int = 32
+    grad_accum: int = 1
+    seed: int = 0
+    precision: str = "fp32"
+    ema_decay: float = 0.0
+    max_nonfinite: int = 3
+    device: str = "auto"
+    threads: int | None = None
+    log_every: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    """``every``: save every N steps (0 = only the final one); ``keep_last``: prune older ones;
+    ``resume``: continue from the latest complete checkpoint in the run directory."""
+
+    every: int = 0
+    keep_last: int = 2
+    resume: bool = False
+
+
+@dataclass
+class WandbConfig:
+    """``mode``: "disabled", "offline" or "online"."""
+
+    mode: str = "disabled"
+    project: str = "posttrain"
+    name: str | None = None

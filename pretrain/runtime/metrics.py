@@ -1,0 +1,72 @@
+"""Metrics: ``metrics.jsonl`` (one JSON object per step), a tqdm progress bar, optional wandb."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from pretrain.runtime.config import WandbConfig
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf; keep them visible as strings
+    return v
+
+
+class MetricsLogger:
+    """Append-only JSONL writer. On resume from step ``start_step``, records after it (written by the
+    interrupted run past its last checkpoint) are dropped so the file reads as one run."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, wandb: WandbConfig | None = None,
+                 config: dict | None = None, show_keys: tuple[str, ...] = ("loss",), enabled: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled, self.show_keys = enabled, show_keys
+        self._wandb = None
+        if not enabled:
+            return
+        if self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            self.path.write_text("".join(k + "\n" for k in keep))
+        self._file = self.path.open("a")
+        self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, mininterval=1.0)
+        if wandb is not None and wandb.mode != "disabled":
+            import wandb as wandb_lib
+
+            self._wandb = wandb_lib.init(project=wandb.project, name=wandb.name, mode=wandb.mode,
+                                         dir=str(run_dir), config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict, advance: bool = True) -> None:
+        if not self.enabled:
+            return
+        rec = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if advance:
+            self.bar.update(1)
+        shown = {k: f"{metrics[k]:.4g}" for k in self.show_keys if isinstance(metrics.get(k), (int, float))}
+        if shown:
+            self.bar.set_postfix(shown, refresh=False)
+
+    def write(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.bar.close()
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a ``metrics.jsonl``."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

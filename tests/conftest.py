@@ -1,0 +1,34 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """One rendered-emoji / caption-embedding cache per test session."""
+    d = os.environ.get("POSTTRAIN_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+    os.environ["POSTTRAIN_CACHE"] = d
+    return Path(d)
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    from pretrain.text_encoder import MiniLMEncoder
+
+    return MiniLMEncoder(max_length=24)
+
+
+def tiny_config(run_dir, *overrides):
+    """The tiny preset config with the run dir in ``run_dir`` and extra dotted overrides."""
+    from pretrain.config import load_config
+    from pretrain.trainer import PretrainConfig
+
+    return load_config(PretrainConfig, ROOT / "configs/pretrain/emoji_tiny.yaml",
+                       [f"run_dir={run_dir}", *overrides])

@@ -1,0 +1,108 @@
+import json
+
+import pytest
+import torch
+
+from pretrain.data import emoji as E
+from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets, load_openmoji
+from pretrain.data.folder import DatasetError, load_image_folder
+
+
+@pytest.fixture(scope="module")
+def openmoji32():
+    return load_openmoji(DataConfig(size=32))
+
+
+def test_every_rendered_emoji_is_non_blank(openmoji32):
+    images = openmoji32["images"]
+    assert images.shape == (4050, 3, 32, 32) and images.dtype == torch.uint8
+    assert not E.blank_mask(images).any()
+    # and the blank check itself fires on a white image
+    assert E.blank_mask(torch.full((1, 3, 8, 8), 255, dtype=torch.uint8)).all()
+
+
+def test_unnamed_emoji_are_left_out_and_counted(openmoji32):
+    assert len(openmoji32["unnamed"]) == 445
+    assert len(openmoji32["captions"]) + len(openmoji32["unnamed"]) == 4495
+    assert "E000" in openmoji32["unnamed"]  # a private-use OpenMoji extra
+    assert "E000" not in openmoji32["codepoints"]
+    assert E.cldr_name(chr(0xE000)) is None
+
+
+def test_zwj_sequences_get_cldr_names_and_render_as_one_glyph(openmoji32):
+    i = openmoji32["codepoints"].index("1F468-200D-1F4BB")
+    assert openmoji32["captions"][i] == "man technologist"
+    # one glyph: the man technologist is not the plain "man" glyph next to a laptop glyph
+    man = openmoji32["images"][openmoji32["codepoints"].index("1F468")]
+    assert (openmoji32["images"][i].float() - man.float()).abs().mean() > 5
+    assert all(c == c.lower() and c.strip() for c in openmoji32["captions"])
+
+
+def test_base_key_merges_skin_tone_and_gender_variants():
+    def key(s):
+        return E.base_key([int(x, 16) for x in s.split("-")])
+
+    assert key("1F468-1F3FD-200D-1F4BB") == key("1F469-200D-1F4BB") == key("1F9D1-200D-1F4BB")
+    assert key("1F645-1F3FC-200D-2642-FE0F") == key("1F645")
+    assert key("1F34E") != key("1F34F")
+
+
+def test_split_is_by_base_emoji(openmoji32):
+    held = {b for b in openmoji32["bases"] if E.is_heldout(b, 0.05)}
+    train = {b for b in openmoji32["bases"] if not E.is_heldout(b, 0.05)}
+    assert held and train and not held & train
+    n_held = sum(b in held for b in openmoji32["bases"])
+    assert 0.02 < n_held / 4050 < 0.10
+
+
+def test_datasets_are_cached_and_encoded(minilm, tmp_path):
+    cfg = DataConfig(size=16, limit=64)
+    train, held = build_datasets(cfg, minilm)
+    assert len(train) == 64 and len(held) == 8
+    assert train.embeds.tokens.shape == (64, 24, 384) and train.embeds.pooled.shape == (64, 384)
+    assert not set(train.captions) & set(held.captions)
+    images, embeds, caps = train.batch([0, 1])
+    assert images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+    again, _ = build_datasets(cfg, minilm)  # from the cache
+    assert torch.equal(again.embeds.tokens, train.embeds.tokens) and again.captions == train.captions
+
+
+def _write_png(path, color):
+    from PIL import Image
+
+    Image.new("RGB", (20, 20), color).save(path)
+
+
+def test_image_folder_skips_and_counts_bad_samples(tmp_path, caplog):
+    _write_png(tmp_path / "a.png", "red")
+    _write_png(tmp_path / "b.png", "blue")
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG not really")
+    rows = [{"file": "a.png", "caption": "a red square"}, {"file": "corrupt.png", "caption": "broken"},
+            {"file": "missing.png", "caption": "gone"}, {"file": "b.png", "caption": "  "},
+            {"file": "b.png", "caption": "a blue square"}]
+    (tmp_path / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    images, captions, skipped = load_image_folder(tmp_path, 8)
+    assert captions == ["a red square", "a blue square"]
+    assert images.shape == (2, 3, 8, 8)
+    assert images[0, 0].float().mean() > 250 and images[0, 2].float().mean() < 5
+    assert skipped == {"corrupt image": ["corrupt.png"], "missing image": ["missing.png"],
+                       "empty caption": ["b.png"], "bad line": ["captions.jsonl:6"]}
+    assert "corrupt.png" in caplog.text
+
+
+def test_empty_folder_dataset_is_an_error(tmp_path):
+    (tmp_path / "captions.jsonl").write_text(json.dumps({"file": "x.png", "caption": "x"}) + "\n")
+    with pytest.raises(DatasetError, match="no usable"):
+        load_image_folder(tmp_path, 8)
+    with pytest.raises(DatasetError, match="captions.jsonl"):
+        load_image_folder(tmp_path / "nowhere", 8)
+
+
+def test_epoch_sampler_resumes_exactly():
+    a = EpochSampler(10, seed=3)
+    first = [a.next(4) for _ in range(3)]  # crosses an epoch boundary
+    assert sorted(first[0] + first[1] + first[2][:2]) == list(range(10))
+    state = a.state_dict()
+    b = EpochSampler(10, seed=3)
+    b.load_state_dict(state)
+    assert [a.next(4) for _ in range(4)] == [b.next(4) for _ in range(4)]
