@@ -19,6 +19,7 @@ from pretrain.objective import FlowConfig, draw_training_noise
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.runtime import Runtime, resolve_device
+from pretrain.seeding import seed_for
 from pretrain.sampling import initial_noise, sample_latents, save_grid
 from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
 
@@ -74,9 +75,12 @@ def heldout_loss(model, codec, data: EncodedSet, null, cfg: PretrainConfig, devi
 
 
 def write_grid(model, codec, data: EncodedSet, null, cfg: PretrainConfig, device, path: Path) -> Path:
-    """Sample the first ``eval.grid_prompts`` held-out prompts with fixed per-prompt seeds."""
+    """Sample ``eval.grid_prompts`` held-out prompts, evenly spaced over the held-out set (which is
+    sorted by code point, so flags and faces both appear), with fixed per-prompt seeds."""
     n = min(cfg.eval.grid_prompts, len(data))
-    _, embeds, captions = data.batch(list(range(n)))
+    idx = sorted({round(i * (len(data) - 1) / max(1, n - 1)) for i in range(n)})
+    _, embeds, captions = data.batch(idx)
+    n = len(idx)
     size = cfg.data.size // codec.downsample
     noise = initial_noise(n, codec.channels, size, cfg.train.seed, device=device)
     e = cfg.eval
@@ -104,7 +108,10 @@ def train(cfg: PretrainConfig) -> Path:
     null = encoder.encode([""]).to(device)
     codec = build_codec(cfg.codec)
     size = cfg.data.size // codec.downsample
-    model = SD3Adapter(build_transformer(cfg.model, size, codec.channels, encoder.dim, encoder.pooled_dim)).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_for(cfg.train.seed, "init"))  # weights depend on the seed only
+        transformer = build_transformer(cfg.model, size, codec.channels, encoder.dim, encoder.pooled_dim)
+    model = SD3Adapter(transformer).to(device)
     sampler = EpochSampler(len(train_set), cfg.train.seed)
     rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
                  stateful={"sampler": sampler})

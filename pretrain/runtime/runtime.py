@@ -75,7 +75,7 @@ class Runtime:
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         overflow = scaler is not None and math.isfinite(loss_value) and not math.isfinite(grad_norm)
-        bad = None if overflow else self.guard.check(self.step, loss=loss_value, grad_norm=grad_norm)
+        bad = None if overflow else self.guard.check(self.step + 1, loss=loss_value, grad_norm=grad_norm)
         lr = opt.param_groups[0]["lr"]
         if overflow:  # fp16: the scaler skips this step and lowers its scale
             self.amp_overflows += 1
