@@ -1,4 +1,6 @@
-"""The `posttrain` command: `posttrain pretrain CONFIG [key=value ...]`, `posttrain sample MODEL ...`.
+"""The `posttrain` command: train a stage (`posttrain pretrain|grpo CONFIG [key=value ...]`), chain
+stages (`posttrain pipeline CONFIG`), sample (`posttrain sample MODEL ...`), evaluate
+(`posttrain eval MODEL [MODEL ...]`).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """
@@ -9,16 +11,38 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 
-def _pretrain(args) -> int:
+def _stage(args) -> int:
+    from posttrain.stages import get_stage
     from pretrain.config import load_config
-    from pretrain.trainer import PretrainConfig, train
 
+    schema, train = get_stage(args.command)
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
-    cfg = load_config(PretrainConfig, args.config, overrides)
-    out = train(cfg)
+    out = train(load_config(schema, args.config, overrides))
     print(f"export: {out}")
+    return 0
+
+
+def _pipeline(args) -> int:
+    from posttrain.pipeline import PipelineConfig, run_pipeline
+    from pretrain.config import load_config
+
+    result = run_pipeline(load_config(PipelineConfig, args.config, args.overrides), resume=args.resume)
+    print("exports: " + ", ".join(result["exports"]))
+    return 0
+
+
+def _eval(args) -> int:
+    from posttrain.evaluate import EvalConfig, evaluate
+    from pretrain.runtime.runtime import resolve_device
+
+    cfg = EvalConfig(rewards=args.rewards, prompts=args.prompts, num_prompts=args.num_prompts,
+                     samples_per_prompt=args.samples_per_prompt, seed=args.seed,
+                     num_inference_steps=args.steps, guidance_scale=args.guidance_scale)
+    out = args.out or str(Path(args.models[-1]).parent / "eval")
+    print(evaluate(args.models, cfg, out, device=resolve_device(args.device))["table"])
     return 0
 
 
@@ -47,11 +71,15 @@ def _sample(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    pre = sub.add_parser("pretrain", help="flow-matching pretraining from a YAML config")
-    pre.add_argument("config")
-    pre.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
-    pre.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-    pre.set_defaults(func=_pretrain)
+    from posttrain.stages import STAGES
+
+    helps = {"pretrain": "flow-matching pretraining", "grpo": "Flow-GRPO post-training"}
+    for name in [*STAGES, "pipeline"]:
+        st = sub.add_parser(name, help=helps.get(name, "chain stages, then evaluate") + " from a YAML config")
+        st.add_argument("config")
+        st.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
+        st.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+        st.set_defaults(func=_pipeline if name == "pipeline" else _stage)
     smp = sub.add_parser("sample", help="ODE-sample an exported model into a PNG grid")
     smp.add_argument("model", help="export folder written by `posttrain pretrain`")
     smp.add_argument("--prompts", nargs="+", required=True)
@@ -61,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--device", default="auto")
     smp.add_argument("--out", default=None)
     smp.set_defaults(func=_sample)
+    ev = sub.add_parser("eval", help="paired ODE evaluation of export folders (same seeds for every model)")
+    ev.add_argument("models", nargs="+")
+    ev.add_argument("--rewards", nargs="+", default=["jpeg_compressibility"])
+    ev.add_argument("--prompts", default="heldout", help="heldout, train, or a file with one prompt per line")
+    ev.add_argument("--num-prompts", type=int, default=128)
+    ev.add_argument("--samples-per-prompt", type=int, default=1)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--steps", type=int, default=20)
+    ev.add_argument("--guidance-scale", type=float, default=4.0)
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--out", default=None)
+    ev.set_defaults(func=_eval)
     return p
 
 

@@ -9,18 +9,17 @@ from pathlib import Path
 
 import torch
 
-from pretrain import objective
 from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import save_config
-from pretrain.data.dataset import DataConfig, EncodedSet, EpochSampler, build_datasets
+from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
 from pretrain.export import export_model
 from pretrain.models import ModelConfig, SD3Adapter, build_transformer, count_parameters
-from pretrain.objective import FlowConfig, draw_training_noise
+from pretrain.objective import FlowConfig, draw_training_noise, pretrain_loss
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.runtime import Runtime, resolve_device
 from pretrain.seeding import seed_for
-from pretrain.sampling import initial_noise, sample_latents, save_grid
+from pretrain.evaluation import heldout_loss, write_grid
 from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
 
 log = logging.getLogger(__name__)
@@ -58,36 +57,6 @@ class PretrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-@torch.no_grad()
-def heldout_loss(model, codec, data: EncodedSet, null, cfg: PretrainConfig, device, batch: int = 64) -> float:
-    """Mean flow-matching loss over the first ``eval.heldout_samples`` held-out samples with fixed
-    draws (stream "eval", step 0), so values are comparable across steps and runs."""
-    n = min(cfg.eval.heldout_samples, len(data))
-    total = 0.0
-    for start in range(0, n, batch):
-        idx = list(range(start, min(n, start + batch)))
-        images, embeds, _ = data.batch(idx)
-        x0 = codec.encode(images.to(device))
-        noise, sigma, _ = draw_training_noise(x0, cfg.train.seed, 0, idx, cfg.flow, stream="eval")
-        no_drop = torch.zeros(len(idx), dtype=torch.bool, device=device)
-        total += objective.pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, no_drop).item() * len(idx)
-    return total / n
-
-
-def write_grid(model, codec, data: EncodedSet, null, cfg: PretrainConfig, device, path: Path) -> Path:
-    """Sample ``eval.grid_prompts`` held-out prompts, evenly spaced over the held-out set (which is
-    sorted by code point, so flags and faces both appear), with fixed per-prompt seeds."""
-    n = min(cfg.eval.grid_prompts, len(data))
-    idx = sorted({round(i * (len(data) - 1) / max(1, n - 1)) for i in range(n)})
-    _, embeds, captions = data.batch(idx)
-    n = len(idx)
-    size = cfg.data.size // codec.downsample
-    noise = initial_noise(n, codec.channels, size, cfg.train.seed, device=device)
-    e = cfg.eval
-    latents = sample_latents(model, embeds, null, noise, e.num_inference_steps, e.guidance_scale, e.shift)
-    return save_grid(codec.decode(latents), captions, path)
-
-
 def batch_arithmetic(cfg: RuntimeConfig, n_train: int, world: int = 1) -> str:
     per_step = cfg.batch_size * cfg.grad_accum * world
     return (f"batch: {per_step} samples/step = micro-batch {cfg.batch_size} x accumulation {cfg.grad_accum} "
@@ -121,8 +90,11 @@ def train(cfg: PretrainConfig) -> Path:
                  f"{len(held)} held-out; device {device}; precision {cfg.train.precision}"
                  + (f"; resumed from {resumed}" if resumed else ""))
     logger.write(batch_arithmetic(cfg.train, len(train_set)))
+    def guard(m) -> float:
+        return heldout_loss(m, codec, held, null, cfg.flow, cfg.train.seed, cfg.eval.heldout_samples, device)
+
     if rt.step == 0:
-        logger.log(0, {"heldout_loss": heldout_loss(model, codec, held, null, cfg, device)}, advance=False)
+        logger.log(0, {"heldout_loss": guard(model)}, advance=False)
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
     while rt.step < cfg.train.steps:
         step, t0 = rt.step, time.perf_counter()
@@ -133,7 +105,7 @@ def train(cfg: PretrainConfig) -> Path:
             x0 = codec.encode(images.to(device))
             noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b, (micro + 1) * b), cfg.flow)
             with rt.autocast():
-                loss = objective.pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop)
+                loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop)
             rt.backward(loss)
             loss_sum += loss.item()
         metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum)}
@@ -144,10 +116,12 @@ def train(cfg: PretrainConfig) -> Path:
         done = rt.step == cfg.train.steps
         sampling = rt.sampling_model().eval()
         if cfg.eval.every and (rt.step % cfg.eval.every == 0 or done):
-            metrics["heldout_loss"] = heldout_loss(sampling, codec, held, null, cfg, device)
+            metrics["heldout_loss"] = guard(sampling)
         logger.log(rt.step, metrics)
         if cfg.eval.grid_every and (rt.step % cfg.eval.grid_every == 0 or done):
-            write_grid(sampling, codec, held, null, cfg, device, run / "samples" / f"heldout_step_{rt.step:06d}.png")
+            e = cfg.eval
+            write_grid(sampling, codec, held, null, e.grid_prompts, cfg.train.seed, e.num_inference_steps,
+                       e.guidance_scale, e.shift, device, run / "samples" / f"heldout_step_{rt.step:06d}.png")
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()
     sampling = rt.sampling_model().eval()

@@ -32,3 +32,20 @@ def tiny_config(run_dir, *overrides):
 
     return load_config(PretrainConfig, ROOT / "configs/pretrain/emoji_tiny.yaml",
                        [f"run_dir={run_dir}", *overrides])
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory, _cache_dir):
+    """A tiny pretrained model (20 steps, 16 px) exported once per session."""
+    from pretrain.trainer import train
+
+    run = tmp_path_factory.mktemp("tiny_pretrain")
+    return train(tiny_config(run, "train.steps=20", "eval.every=0"))
+
+
+def grpo_config(run_dir, export, *overrides):
+    from posttrain.grpo import GRPOConfig
+    from pretrain.config import load_config
+
+    return load_config(GRPOConfig, ROOT / "configs/grpo/emoji_tiny.yaml",
+                       [f"run_dir={run_dir}", f"model.pretrained={export}", *overrides])

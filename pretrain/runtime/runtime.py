@@ -38,14 +38,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Runtime:
-    """Optimisation state of one trainable ``model`` (its ``requires_grad`` parameters)."""
+    """Optimisation state of one trainable ``model`` (its ``requires_grad`` parameters).
+
+    ``total_steps``: optimizer steps of the whole run for the LR schedule (default ``cfg.steps``;
+    trainers whose ``steps`` count iterations pass it explicitly)."""
 
     def __init__(self, model: torch.nn.Module, cfg: RuntimeConfig, optim: OptimConfig, device: torch.device,
-                 checkpoint_dir: str | Path, keep_last: int = 2, stateful: dict[str, Stateful] | None = None):
+                 checkpoint_dir: str | Path, keep_last: int = 2, stateful: dict[str, Stateful] | None = None,
+                 total_steps: int | None = None):
         self.model, self.cfg, self.optim_cfg, self.device = model, cfg, optim, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.steps, optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, total_steps or cfg.steps, optim)
         self.precision = Precision(cfg.precision, device)
         self.ema = build_ema(model, cfg.ema_decay)
         self.guard = NonFiniteGuard(cfg.max_nonfinite)

@@ -16,6 +16,7 @@ from pretrain import objective
 from pretrain.runtime.checkpoint import CheckpointManager
 from pretrain.runtime.metrics import read_metrics
 from pretrain.runtime.runtime import Runtime
+from pretrain import trainer as trainer_mod
 from pretrain.trainer import train
 from tests.conftest import ROOT, tiny_config
 
@@ -128,6 +129,7 @@ def _nan_at(monkeypatch, bad_steps):
         return out
 
     monkeypatch.setattr(objective, "pretrain_loss", loss)
+    monkeypatch.setattr(trainer_mod, "pretrain_loss", loss)
     monkeypatch.setattr(Runtime, "optimizer_step", step)
     return snapshots
 

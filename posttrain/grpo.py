@@ -1,0 +1,186 @@
+"""`posttrain grpo`: Flow-GRPO (Liu et al. 2025, arXiv 2505.05470) on the shared runtime.
+
+One iteration: sample ``prompts_per_step`` prompts x ``group_size`` SDE rollouts with log-probs,
+score them, compute group advantages, then PPO-clip + beta * KL updates over the buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from posttrain.advantages import group_advantages
+from posttrain.grpo_update import GRPOLossConfig, grpo_update
+from posttrain.policy import Policy, PolicyConfig
+from pretrain.codec import CodecConfig
+from pretrain.config import save_config
+from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
+from pretrain.evaluation import write_grid
+from pretrain.export import export_model, load_exported
+from pretrain.models import ModelConfig, count_parameters
+from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
+from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.runtime import Runtime, resolve_device
+from pretrain.schedule import sigma_schedule
+from pretrain.seeding import generator_for, seed_for
+from pretrain.text_encoder import TextEncoderConfig
+from rewards.base import CompositeReward
+from rollout.collect import collect_rollouts
+from rollout.trajectory import train_timesteps
+
+
+@dataclass
+class RolloutConfig:
+    """SDE sampling for training: ``num_inference_steps`` (Flow-GRPO trains with 10), ``noise_level``
+    (0.7; 0 = the ODE), CFG ``guidance_scale`` (also used when recomputing log-probs), schedule
+    ``shift``; ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a
+    time; ``timestep_fraction`` of transitions trained, ``timestep_selection`` "first" or "random"."""
+
+    num_inference_steps: int = 10
+    noise_level: float = 0.7
+    guidance_scale: float = 4.0
+    shift: float = 1.0
+    prompts_per_step: int = 8
+    group_size: int = 8
+    batch_size: int = 32
+    timestep_fraction: float = 0.99
+    timestep_selection: str = "first"
+
+
+@dataclass
+class GRPOEvalConfig:
+    """Held-out grids every ``every`` iterations (0 = only at the end)."""
+
+    every: int = 0
+    grid_prompts: int = 16
+    num_inference_steps: int = 20
+    guidance_scale: float = 4.0
+
+
+@dataclass
+class GRPOConfig:
+    """`posttrain grpo` config. ``model.pretrained``: an export folder (from `posttrain pretrain` or a
+    previous stage). ``train.steps``: iterations; ``train.batch_size``: training mini-batch (samples);
+    ``train.grad_accum``: mini-batches per optimizer step. ``rewards``: ``{name: weight}``. Outputs go
+    to ``<run_dir>/grpo/``."""
+
+    run_dir: str = "runs/grpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    rewards: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: GRPOEvalConfig = field(default_factory=GRPOEvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def iteration_shape(cfg: GRPOConfig) -> tuple[int, int, int]:
+    """(samples per iteration, mini-batches per epoch, optimizer steps per iteration); ``ValueError``
+    naming the keys when they do not divide."""
+    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    mb, accum = cfg.train.batch_size, cfg.train.grad_accum
+    if n % mb:
+        raise ValueError(f"train.batch_size={mb} must divide rollout.prompts_per_step x rollout.group_size = {n}")
+    if (n // mb) % accum:
+        raise ValueError(f"train.grad_accum={accum} must divide the {n // mb} mini-batches per epoch")
+    return n, n // mb, cfg.grpo.inner_epochs * (n // mb) // accum
+
+
+def summarize(stats: list[dict]) -> dict:
+    """Mean of per-mini-batch stats (min / max for ratio_min / ratio_max)."""
+    out: dict = {}
+    for key in {k for s in stats for k in s if isinstance(s[k], (int, float))}:
+        vals = [s[key] for s in stats if key in s]
+        out[key] = min(vals) if key == "ratio_min" else max(vals) if key == "ratio_max" else sum(vals) / len(vals)
+    out["nonfinite"] = next((s["nonfinite"] for s in stats if s.get("nonfinite")), "")
+    return out
+
+
+def reward_stats(total: torch.Tensor, raw: dict[str, torch.Tensor]) -> dict:
+    out = {"reward_mean": float(total.nanmean())}
+    for name, r in raw.items():
+        finite = r[torch.isfinite(r)]
+        out[f"reward/{name}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
+        out[f"reward/{name}_std"] = float(finite.std(unbiased=False)) if finite.numel() else float("nan")
+    return out
+
+
+def train(cfg: GRPOConfig) -> Path:
+    """Run GRPO; returns the merged export folder (``<run>/grpo/export``; adapter in ``lora/``)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if not cfg.model.pretrained:
+        raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
+    device, seed, ro = resolve_device(cfg.train.device), cfg.train.seed, cfg.rollout
+    run = Path(cfg.run_dir) / "grpo"
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run / "config.yaml")
+    model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
+    train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
+    null = encoder.encode([""]).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_for(seed, "init"))
+        policy = Policy(model, cfg.policy)
+    n, _, opt_per_iter = iteration_shape(cfg)
+    prompts = EpochSampler(len(train_set), seed)
+    rewards = CompositeReward(cfg.rewards)
+    rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
+                 stateful={"prompts": prompts}, total_steps=cfg.train.steps * opt_per_iter)
+    resumed = rt.resume() if cfg.checkpoint.resume else None
+    it = rt.step // opt_per_iter
+    sigmas = sigma_schedule(ro.num_inference_steps, ro.shift)
+    size = meta["image_size"] // codec.downsample
+    logger = MetricsLogger(run, cfg.train.steps, it, cfg.wandb, asdict(cfg), ("reward_mean", "kl"))
+    logger.write(f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable of "
+                 f"{count_parameters(model) / 1e6:.2f} M ({'LoRA' if policy.lora else 'full'}); "
+                 f"rewards {cfg.rewards}; device {device}" + (f"; resumed from {resumed}" if resumed else ""))
+    logger.write(f"batch: {n} samples/iteration = {ro.prompts_per_step} prompts x group {ro.group_size}; rollout "
+                 f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation "
+                 f"{cfg.train.grad_accum} -> {opt_per_iter} optimizer steps/iteration over "
+                 f"{cfg.grpo.inner_epochs} inner epoch(s)")
+
+    def grid(m, name: str) -> Path:
+        e = cfg.eval
+        return write_grid(m, codec, held, null, e.grid_prompts, seed, e.num_inference_steps, e.guidance_scale,
+                          ro.shift, device, run / "samples" / name)
+
+    while it < cfg.train.steps:
+        t0 = time.perf_counter()
+        model.eval()
+        traj = collect_rollouts(model, codec, train_set, prompts.next(ro.prompts_per_step), ro.group_size,
+                                ro.batch_size, null, sigmas, ro.noise_level, ro.guidance_scale,
+                                (codec.channels, size, size), seed, it, device)
+        t1 = time.perf_counter()
+        total, raw = rewards(traj.images, traj.prompts)
+        adv, valid, zero = group_advantages(total, traj.group_ids, cfg.grpo.adv_clip_max)
+        mask = valid & ~zero if cfg.grpo.drop_zero_spread_groups else valid
+        t2 = time.perf_counter()
+        ts = train_timesteps(ro.num_inference_steps, ro.timestep_fraction, ro.timestep_selection,
+                             generator_for(seed, "train", it))
+        stats = grpo_update(policy, rt, traj, adv.to(device), mask.to(device), null, cfg.grpo, ts,
+                            cfg.train.batch_size, ro.guidance_scale, ro.noise_level, seed, it)
+        it += 1
+        t3 = time.perf_counter()
+        metrics = {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
+                   "samples_per_s": n / (t3 - t0), "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1,
+                   "time_train_s": t3 - t2}
+        logger.log(it, metrics)
+        if cfg.eval.every and it % cfg.eval.every == 0:
+            grid(rt.sampling_model().eval(), f"heldout_iter_{it:05d}.png")
+        if it == cfg.train.steps or (cfg.checkpoint.every and it % cfg.checkpoint.every == 0):
+            rt.save()
+    final = rt.sampling_model().eval()
+    logger.write(f"grid: {grid(final, f'heldout_iter_{it:05d}.png')}")
+    policy.save_adapter(run / "lora", final)
+    out = export_model(policy.merged_transformer(final), run / "export", TextEncoderConfig(**meta["text_encoder"]),
+                       CodecConfig(**meta["codec"]), meta["image_size"], meta["sampling"])
+    logger.write(f"exported {out}")
+    logger.close()
+    return out

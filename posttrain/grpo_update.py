@@ -1,0 +1,97 @@
+"""The GRPO policy update over one rollout buffer: per-transition PPO-clip + beta * KL, several inner
+epochs of shuffled mini-batches, optimizer steps through the shared runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.losses import kl_to_reference, ppo_clip_loss
+from pretrain.seeding import generator_for
+from pretrain.text_encoder import PromptEmbeds
+from rollout.guidance import guided_velocity
+from rollout.sde import sde_step
+from rollout.trajectory import Trajectory
+
+
+@dataclass
+class GRPOLossConfig:
+    """``clip_range``: PPO clip on the per-element-mean log-prob ratio; ``beta``: weight of the KL to
+    the reference (Flow-GRPO form); ``adv_clip_max``: advantage clip; ``inner_epochs``: passes over
+    the buffer per iteration; ``drop_zero_spread_groups``: mask groups whose rewards are all equal;
+    ``detach_uncond``: no gradient through the unconditional CFG branch (Flow-GRPO)."""
+
+    clip_range: float = 1e-3
+    beta: float = 0.04
+    adv_clip_max: float = 5.0
+    inner_epochs: int = 1
+    drop_zero_spread_groups: bool = False
+    detach_uncond: bool = True
+
+
+def transition_log_prob(model, traj: Trajectory, t: int, null: PromptEmbeds, guidance_scale: float,
+                        noise_level: float, detach_uncond: bool = True):
+    """Recompute transition ``t`` of ``traj`` under ``model``: the ``SDEStep`` whose ``prev_sample`` is
+    the recorded latent t + 1 (so ``log_prob`` is comparable with ``traj.log_probs[:, t]``)."""
+    sig = traj.sigmas.to(traj.latents.device)
+    x = traj.latents[:, t]
+    v = guided_velocity(model, x, sig[t].expand(x.shape[0]), traj.embeds, null, guidance_scale, detach_uncond)
+    return sde_step(x, v, sig[t], sig[t + 1], noise_level, sig[1], prev_sample=traj.latents[:, t + 1])
+
+
+def transition_loss(policy, traj: Trajectory, t: int, advantages: torch.Tensor, mask: torch.Tensor,
+                    null: PromptEmbeds, cfg: GRPOLossConfig, guidance_scale: float, noise_level: float):
+    """PPO-clip + beta * KL for transition ``t`` of a mini-batch; returns (float32 loss, stats)."""
+    st = transition_log_prob(policy.model, traj, t, null, guidance_scale, noise_level, cfg.detach_uncond)
+    loss, stats = ppo_clip_loss(st.log_prob, traj.log_probs[:, t], advantages, cfg.clip_range, mask)
+    if cfg.beta > 0:
+        with torch.no_grad(), policy.reference() as ref:
+            ref_mean = transition_log_prob(ref, traj, t, null, guidance_scale, noise_level).mean
+        kl = kl_to_reference(st.mean, ref_mean, st.std_dev_t)
+        w = mask.float()
+        kl = (kl * w).sum() / w.sum().clamp(min=1.0)
+        loss = loss + cfg.beta * kl
+        stats["kl"] = float(kl.detach())
+    return loss, stats
+
+
+def merge_stats(acc: dict, stats: dict, count: int) -> None:
+    """Fold one transition's stats into ``acc``: min / max for ratio_min / ratio_max, mean otherwise."""
+    for key, v in stats.items():
+        if key == "ratio_min":
+            acc[key] = min(acc.get(key, v), v)
+        elif key == "ratio_max":
+            acc[key] = max(acc.get(key, v), v)
+        else:
+            acc[key] = acc.get(key, 0.0) + v / count
+
+
+def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor,
+                null: PromptEmbeds, cfg: GRPOLossConfig, timesteps: list[int], mini_batch_size: int,
+                guidance_scale: float, noise_level: float, seed: int, iteration: int) -> list[dict]:
+    """Inner epochs over ``traj`` in mini-batches shuffled by (seed, "shuffle", iteration, epoch);
+    ``runtime.cfg.grad_accum`` mini-batches per optimizer step. Returns per-mini-batch stats."""
+    n = len(traj)
+    accum = runtime.cfg.grad_accum
+    out, pending = [], 0.0
+    policy.model.train()
+    for epoch in range(cfg.inner_epochs):
+        perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, epoch))
+        for k, start in enumerate(range(0, n, mini_batch_size)):
+            idx = perm[start:start + mini_batch_size]
+            mb = traj.select(idx)
+            mb_stats: dict[str, float] = {}
+            for t in timesteps:
+                with runtime.autocast():
+                    loss, stats = transition_loss(policy, mb, t, advantages[idx], mask[idx], null, cfg,
+                                                  guidance_scale, noise_level)
+                runtime.backward(loss / len(timesteps))
+                pending += loss.item() / len(timesteps) / accum
+                merge_stats(mb_stats, stats, len(timesteps))
+            if (k + 1) % accum == 0:
+                mb_stats.update(runtime.optimizer_step(pending))
+                mb_stats["loss"] = pending
+                pending = 0.0
+            out.append(mb_stats)
+    return out

@@ -1,0 +1,40 @@
+"""GRPO losses: PPO-clip on per-transition log-prob ratios and the KL to the reference policy.
+
+PPO-clip: Schulman et al. 2017 (arXiv 1707.06347, eq. 7), as Flow-GRPO applies it per denoising
+transition (arXiv 2505.05470, eq. 8). KL: Flow-GRPO's implementation form, the per-element mean of
+(mu_theta - mu_ref)^2 / (2 std_dev_t^2) (the paper's eq. additionally divides by |dt|; we follow the
+implementation so published beta values carry over).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                  clip_range: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate, float32 scalar: mean over unmasked samples of
+    max(-A * ratio, -A * clip(ratio, 1 - clip_range, 1 + clip_range)), ratio = exp(log_prob - old).
+
+    All inputs ``[B]``; ``mask`` bool ``[B]`` (False = excluded, e.g. NaN reward). Returns the loss and
+    detached stats: ratio min/mean/max, clip fraction, approx-KL 0.5 * E[(log_prob - old)^2]."""
+    log_ratio = log_prob.float() - old_log_prob.float()
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float()
+    per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    w = mask.float() if mask is not None else torch.ones_like(per)
+    denom = w.sum().clamp(min=1.0)
+    loss = (per * w).sum() / denom
+    with torch.no_grad():
+        sel = w > 0
+        r = ratio[sel] if sel.any() else ratio
+        stats = {"ratio_min": float(r.min()), "ratio_mean": float(r.mean()), "ratio_max": float(r.max()),
+                 "clip_frac": float(((ratio - 1).abs() > clip_range).float()[sel].mean()) if sel.any() else 0.0,
+                 "approx_kl": float((0.5 * log_ratio.square() * w).sum() / denom)}
+    return loss, stats
+
+
+def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B]``: per-element mean of (mean - ref_mean)^2 / (2 std_dev_t^2); ``std_dev_t`` ``[B]``."""
+    sq = (mean.float() - ref_mean.float()).square().flatten(1).mean(1)
+    return sq / (2 * std_dev_t.float().square())

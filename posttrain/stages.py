@@ -1,0 +1,31 @@
+"""Registry of trainable stages: command name -> (Config dataclass, train function).
+
+A new algorithm registers one entry here; the CLI and the pipeline runner need no other change.
+Every train function takes its config and returns the export folder it wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def _pretrain():
+    from pretrain.trainer import PretrainConfig, train
+
+    return PretrainConfig, train
+
+
+def _grpo():
+    from posttrain.grpo import GRPOConfig, train
+
+    return GRPOConfig, train
+
+
+STAGES: dict[str, Callable[[], tuple[type, Callable]]] = {"pretrain": _pretrain, "grpo": _grpo}
+
+
+def get_stage(command: str) -> tuple[type, Callable]:
+    """(Config class, train function) for ``command``; ``KeyError`` naming the known stages."""
+    if command not in STAGES:
+        raise ValueError(f"unknown stage '{command}'; known: {sorted(STAGES)}")
+    return STAGES[command]()

@@ -1,0 +1,48 @@
+"""Evaluation helpers shared by every trainer: the held-out flow-matching loss and sample grids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pretrain import objective
+from pretrain.data.dataset import EncodedSet
+from pretrain.objective import FlowConfig, draw_training_noise
+from pretrain.sampling import initial_noise, sample_latents, save_grid
+
+
+@torch.no_grad()
+def heldout_loss(model, codec, data: EncodedSet, null, flow: FlowConfig, seed: int, num_samples: int, device,
+                 batch: int = 64) -> float:
+    """Mean flow-matching loss over the first ``num_samples`` held-out samples with fixed draws
+    (stream "eval", step 0), so values are comparable across steps, runs and models (also the guard
+    metric of post-training evaluation: reward hacking shows up as a rising held-out loss)."""
+    n = min(num_samples, len(data))
+    total = 0.0
+    for start in range(0, n, batch):
+        idx = list(range(start, min(n, start + batch)))
+        images, embeds, _ = data.batch(idx)
+        x0 = codec.encode(images.to(device))
+        noise, sigma, _ = draw_training_noise(x0, seed, 0, idx, flow, stream="eval")
+        no_drop = torch.zeros(len(idx), dtype=torch.bool, device=device)
+        total += objective.pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, no_drop).item() * len(idx)
+    return total / n
+
+
+def spread_indices(n_items: int, n: int) -> list[int]:
+    """Up to ``n`` indices evenly spaced over ``range(n_items)``."""
+    return sorted({round(i * (n_items - 1) / max(1, n - 1)) for i in range(min(n, n_items))})
+
+
+@torch.no_grad()
+def write_grid(model, codec, data: EncodedSet, null, num_prompts: int, seed: int, num_inference_steps: int,
+               guidance_scale: float, shift: float, device, path: Path) -> Path:
+    """ODE-sample ``num_prompts`` prompts evenly spaced over ``data`` (sorted by code point, so flags
+    and faces both appear) with fixed per-prompt seeds; write a labelled PNG grid."""
+    idx = spread_indices(len(data), num_prompts)
+    images, embeds, captions = data.batch(idx)
+    size = images.shape[-1] // codec.downsample
+    noise = initial_noise(len(idx), codec.channels, size, seed, device=device)
+    latents = sample_latents(model, embeds.to(device), null, noise, num_inference_steps, guidance_scale, shift)
+    return save_grid(codec.decode(latents), captions, path)

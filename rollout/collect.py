@@ -1,0 +1,29 @@
+"""Collect one iteration's rollouts: prompt groups -> batched SDE sampling -> one Trajectory."""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.data.dataset import EncodedSet
+from pretrain.text_encoder import PromptEmbeds
+from rollout.sampler import sde_rollout
+from rollout.trajectory import Trajectory
+
+
+def collect_rollouts(model, codec, prompts: EncodedSet, prompt_idx: list[int], group_size: int, batch_size: int,
+                     null: PromptEmbeds, sigmas: torch.Tensor, noise_level: float, guidance_scale: float,
+                     latent_shape: tuple[int, ...], seed: int, iteration: int, device,
+                     sample_offset: int = 0) -> Trajectory:
+    """``group_size`` samples for each prompt in ``prompt_idx`` (indices into ``prompts``). Sample
+    ``p * group_size + g`` (plus ``sample_offset``, a rank's share start) is the global index that
+    seeds its noise; its group id is ``p``. Sampled in batches of ``batch_size``."""
+    n = len(prompt_idx) * group_size
+    out = []
+    for start in range(0, n, batch_size):
+        ids = list(range(start, min(n, start + batch_size)))
+        groups = [i // group_size for i in ids]
+        _, embeds, captions = prompts.batch([prompt_idx[g] for g in groups])
+        out.append(sde_rollout(model, codec, embeds, null, captions, torch.as_tensor(groups),
+                               [sample_offset + i for i in ids], sigmas, noise_level, guidance_scale,
+                               latent_shape, seed, iteration, device))
+    return Trajectory.cat(out)

@@ -1,0 +1,34 @@
+"""Classifier-free-guided velocity: the one function rollout and training both call."""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.flow import cfg_combine
+from pretrain.text_encoder import PromptEmbeds
+
+
+def expand_null(null_embeds: PromptEmbeds, b: int) -> PromptEmbeds:
+    """The empty-prompt embedding ``[1, ...]`` repeated to ``[b, ...]``."""
+    return PromptEmbeds(null_embeds.tokens.expand(b, -1, -1), null_embeds.pooled.expand(b, -1))
+
+
+def guided_velocity(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds, null_embeds: PromptEmbeds,
+                    guidance_scale: float, detach_uncond: bool = True) -> torch.Tensor:
+    """v = v_uncond + w (v_cond - v_uncond) (Ho & Salimans 2022), float32 ``[B, ...]``.
+
+    ``model(x, sigma [B], embeds) -> v``. With ``guidance_scale == 1`` only the conditional branch
+    runs. When gradients are enabled and ``detach_uncond`` is set (Flow-GRPO's default), the
+    unconditional branch runs separately under ``no_grad``; otherwise both run as one 2B batch."""
+    b = x.shape[0]
+    sigma = sigma.expand(b) if sigma.ndim == 0 or sigma.shape[0] != b else sigma
+    if guidance_scale == 1.0:
+        return model(x, sigma, embeds)
+    null = expand_null(null_embeds, b)
+    if torch.is_grad_enabled() and detach_uncond:
+        v_cond = model(x, sigma, embeds)
+        with torch.no_grad():
+            v_uncond = model(x, sigma, null)
+    else:
+        v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([embeds, null])).chunk(2)
+    return cfg_combine(v_cond, v_uncond, guidance_scale)

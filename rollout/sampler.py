@@ -1,0 +1,50 @@
+"""SDE rollout with log-probs (Flow-GRPO) under rank-free seeding."""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.seeding import generator_for
+from pretrain.text_encoder import PromptEmbeds
+from rollout.guidance import guided_velocity
+from rollout.sde import sde_step
+from rollout.trajectory import Trajectory
+
+
+def rollout_noise(shape: tuple[int, ...], num_steps: int, seed: int, step: int, sample_ids: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial noise ``[B, *shape]`` and per-transition noise ``[B, T, *shape]`` (float32, CPU): sample
+    i's draws come from the generator (seed, "rollout", step, sample_ids[i]) only, so they do not
+    depend on batch layout or rank."""
+    init, steps = [], []
+    for i in sample_ids:
+        g = generator_for(seed, "rollout", step, int(i))
+        init.append(torch.randn(shape, generator=g))
+        steps.append(torch.randn((num_steps, *shape), generator=g))
+    return torch.stack(init), torch.stack(steps)
+
+
+@torch.no_grad()
+def sde_rollout(model, codec, embeds: PromptEmbeds, null_embeds: PromptEmbeds, prompts: list[str],
+                group_ids: torch.Tensor, sample_ids: list[int], sigmas: torch.Tensor, noise_level: float,
+                guidance_scale: float, latent_shape: tuple[int, ...], seed: int, step: int,
+                device: torch.device) -> Trajectory:
+    """Sample one batch with the SDE and record every latent and log-prob.
+
+    ``model(x, sigma, embeds) -> v``; ``sigmas`` from :func:`pretrain.schedule.sigma_schedule`."""
+    num_steps = len(sigmas) - 1
+    x, z = rollout_noise(latent_shape, num_steps, seed, step, sample_ids)
+    x, z = x.to(device), z.to(device)
+    embeds = embeds.to(device)
+    null = null_embeds.to(device)
+    sig = sigmas.to(device)
+    latents, log_probs = [x], []
+    for t in range(num_steps):
+        v = guided_velocity(model, x, sig[t].expand(x.shape[0]), embeds, null, guidance_scale)
+        out = sde_step(x, v, sig[t], sig[t + 1], noise_level, sig[1], noise=z[:, t])
+        x = out.prev_sample
+        latents.append(x)
+        log_probs.append(out.log_prob)
+    images = codec.decode(x)
+    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.cpu().clone(), embeds,
+                      images, list(prompts), group_ids.clone(), torch.as_tensor(sample_ids))

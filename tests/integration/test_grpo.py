@@ -1,0 +1,125 @@
+"""GRPO spine on the tiny preset: log-prob consistency, accumulation, LoRA export, reward rises."""
+
+import torch
+
+from posttrain.grpo import train as grpo_train
+from posttrain.grpo_update import GRPOLossConfig, grpo_update, transition_log_prob
+from posttrain.policy import Policy, PolicyConfig
+from pretrain.data.dataset import DataConfig, build_datasets
+from pretrain.export import load_exported
+from pretrain.runtime.config import OptimConfig, RuntimeConfig
+from pretrain.runtime.metrics import read_metrics
+from pretrain.runtime.runtime import Runtime
+from pretrain.schedule import sigma_schedule
+from rewards.base import REGISTRY, register
+from rollout.collect import collect_rollouts
+from tests.conftest import grpo_config
+
+STEPS, SCALE, NOISE = 6, 4.5, 0.7
+
+
+def _setup(export, seed=0):
+    model, encoder, codec, meta = load_exported(export)
+    train, _ = build_datasets(DataConfig(size=meta["image_size"], limit=64), encoder)
+    null = encoder.encode([""])
+    torch.manual_seed(seed)
+    policy = Policy(model, PolicyConfig(lora_rank=4, lora_alpha=8))
+    with torch.no_grad():  # make the policy differ from the reference (B = 0 at init)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model, codec, train, null, policy, meta
+
+
+def _rollout(model, codec, train, null, meta, n_prompts=3, group=2, batch=4):
+    size = meta["image_size"] // codec.downsample
+    model.eval()
+    return collect_rollouts(model, codec, train, list(range(n_prompts)), group, batch, null,
+                            sigma_schedule(STEPS, 3.0), NOISE, SCALE, (codec.channels, size, size), 0, 0, "cpu")
+
+
+def test_log_probs_recomputed_in_training_equal_rollout(tiny_export):
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    traj = _rollout(model, codec, train, null, meta)  # 6 samples in rollout batches of 4 + 2
+    model.train()  # train mode, mini-batches of 3 (not the rollout's 4), CFG uncond branch detached
+    with torch.enable_grad():
+        for start in (0, 3):
+            mb = traj.select(torch.arange(start, start + 3))
+            for t in range(STEPS):
+                new = transition_log_prob(model, mb, t, null, SCALE, NOISE, detach_uncond=True).log_prob
+                assert torch.isfinite(new).all()
+                assert (new - mb.log_probs[:, t]).abs().max().item() <= 1e-5, t
+                ratio = torch.exp(new - mb.log_probs[:, t])
+                assert (ratio - 1).abs().max().item() <= 1e-5
+
+
+def test_bf16_log_probs_are_finite_and_close(tiny_export, capsys):
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    traj = _rollout(model, codec, train, null, meta)
+    worst = 0.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for t in range(STEPS):
+            new = transition_log_prob(model, traj, t, null, SCALE, NOISE).log_prob
+            assert new.dtype == torch.float32 and torch.isfinite(new).all()
+            worst = max(worst, (new - traj.log_probs[:, t]).abs().max().item())
+    with capsys.disabled():
+        print(f"\nbf16 autocast: largest |log_prob - fp32 rollout log_prob| = {worst:.3e}")
+    assert worst < 0.5
+
+
+def test_gradient_accumulation_keeps_old_log_probs_and_moves_ratio(tiny_export):
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    traj = _rollout(model, codec, train, null, meta, n_prompts=4, group=2, batch=8)  # 8 samples
+    stored = traj.log_probs.clone()
+    rt = Runtime(model, RuntimeConfig(steps=1, grad_accum=2), OptimConfig(lr=5e-2), torch.device("cpu"), "/tmp/unused")
+    adv = torch.tensor([1.0, -1.0] * 4)
+    stats = grpo_update(policy, rt, traj, adv, torch.ones(8, dtype=torch.bool), null,
+                        GRPOLossConfig(clip_range=0.2, beta=0.04), list(range(STEPS)), 2, SCALE, NOISE, 0, 0)
+    assert len(stats) == 4 and rt.step == 2
+    for s in stats[:2]:  # before the first optimizer step
+        assert abs(s["ratio_min"] - 1) <= 1e-5 and abs(s["ratio_max"] - 1) <= 1e-5
+    for s in stats[2:]:  # after it
+        assert max(abs(s["ratio_min"] - 1), abs(s["ratio_max"] - 1)) > 1e-4
+    assert torch.equal(traj.log_probs, stored)
+
+
+def test_merged_export_and_adapter_match_the_policy(tiny_export, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    from pretrain.models import SD3Adapter
+
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    x = torch.randn(2, 3, 16, 16)
+    sigma = torch.tensor([0.9, 0.3])
+    _, embeds, _ = train.batch([0, 1])
+    model.eval()
+    with torch.no_grad():
+        want = model(x, sigma, embeds)
+        merged = SD3Adapter(policy.merged_transformer())(x, sigma, embeds)
+        with policy.reference() as ref:
+            base = ref(x, sigma, embeds)
+    torch.testing.assert_close(merged, want, rtol=1e-4, atol=1e-5)
+    assert (want - base).abs().max() > 1e-3  # the adapter really changes the output
+    policy.save_adapter(tmp_path / "lora")
+    fresh = SD3Transformer2DModel.from_pretrained(tiny_export)
+    fresh.load_lora_adapter(str(tmp_path / "lora"), weight_name="pytorch_lora_weights.safetensors", prefix=None)
+    with torch.no_grad():
+        torch.testing.assert_close(SD3Adapter(fresh)(x, sigma, embeds), want, rtol=1e-4, atol=1e-5)
+
+
+if "test_brightness" not in REGISTRY:
+    @register("test_brightness")
+    def _brightness():
+        return lambda images, prompts=None, metadata=None: images.float().mean(dim=(1, 2, 3))
+
+
+def test_grpo_raises_a_deterministic_reward(tiny_export, tmp_path):
+    # 4 prompts x group 8, the same prompts every iteration; measured: 0.690 -> 0.719 in 8 iterations
+    cfg = grpo_config(tmp_path, tiny_export, "train.steps=6", "rewards.jpeg_compressibility=0",
+                      "rewards.test_brightness=1.0", "optim.lr=5e-3", "grpo.clip_range=0.05", "grpo.beta=0.0",
+                      "rollout.guidance_scale=1.0", "data.limit=4", "rollout.group_size=8",
+                      "rollout.batch_size=16", "train.batch_size=16")
+    grpo_train(cfg)
+    rewards = [r["reward_mean"] for r in read_metrics(tmp_path / "grpo/metrics.jsonl")]
+    assert len(rewards) == 6
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.01, rewards
