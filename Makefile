@@ -26,10 +26,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 quickstart: system venv
-	$(VENV)/bin/posttrain pretrain configs/pretrain/emoji_small.yaml
-	$(VENV)/bin/posttrain sample runs/emoji_small/pretrain/export --seed 0 \
-	  --prompts "red apple" "grinning face" "flag: japan" "rocket" "blue heart" "sun" "pizza" "christmas tree" \
-	  --out runs/emoji_small/pretrain/samples/quickstart.png
+	$(VENV)/bin/posttrain pipeline configs/quickstart.yaml
 
 test: system venv
 	WANDB_MODE=offline $(PY) -m pytest -q tests
