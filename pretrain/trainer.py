@@ -64,6 +64,26 @@ def batch_arithmetic(cfg: RuntimeConfig, n_train: int, world: int = 1) -> str:
             f"{cfg.steps} steps = {cfg.steps * per_step / n_train:.2f} epochs")
 
 
+def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, null, cfg: PretrainConfig, device) -> dict:
+    """One optimizer step over ``train.grad_accum`` micro-batches; per-sample noise keyed by
+    (seed, step, index within the step). Returns the step's metrics."""
+    step, t0 = rt.step, time.perf_counter()
+    b, accum = cfg.train.batch_size, cfg.train.grad_accum
+    model.train()
+    loss_sum = 0.0
+    for micro in range(accum):
+        images, embeds, _ = data.batch(sampler.next(b))
+        x0 = codec.encode(images.to(device))
+        noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b, (micro + 1) * b), cfg.flow)
+        with rt.autocast():
+            loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop)
+        rt.backward(loss)
+        loss_sum += loss.item()
+    metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum)}
+    metrics["samples_per_s"] = b * accum / (time.perf_counter() - t0)
+    return metrics
+
+
 def train(cfg: PretrainConfig) -> Path:
     """Run pretraining; returns the export folder. Resumes when ``checkpoint.resume`` is set."""
     if cfg.train.threads:
@@ -90,26 +110,14 @@ def train(cfg: PretrainConfig) -> Path:
                  f"{len(held)} held-out; device {device}; precision {cfg.train.precision}"
                  + (f"; resumed from {resumed}" if resumed else ""))
     logger.write(batch_arithmetic(cfg.train, len(train_set)))
+
     def guard(m) -> float:
         return heldout_loss(m, codec, held, null, cfg.flow, cfg.train.seed, cfg.eval.heldout_samples, device)
 
     if rt.step == 0:
         logger.log(0, {"heldout_loss": guard(model)}, advance=False)
-    b, accum = cfg.train.batch_size, cfg.train.grad_accum
     while rt.step < cfg.train.steps:
-        step, t0 = rt.step, time.perf_counter()
-        model.train()
-        loss_sum = 0.0
-        for micro in range(accum):
-            images, embeds, _ = train_set.batch(sampler.next(b))
-            x0 = codec.encode(images.to(device))
-            noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b, (micro + 1) * b), cfg.flow)
-            with rt.autocast():
-                loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop)
-            rt.backward(loss)
-            loss_sum += loss.item()
-        metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum)}
-        metrics["samples_per_s"] = b * accum / (time.perf_counter() - t0)
+        metrics = train_step(model, rt, train_set, sampler, codec, null, cfg, device)
         if metrics["nonfinite"]:
             logger.write(f"step {rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "
                          f"({metrics['nonfinite_total']} so far)")
