@@ -1,4 +1,4 @@
-"""The `posttrain` command: train a stage (`posttrain pretrain|grpo CONFIG [key=value ...]`), chain
+"""The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo CONFIG [key=value ...]`), chain
 stages (`posttrain pipeline CONFIG`), sample (`posttrain sample MODEL ...`), evaluate
 (`posttrain eval MODEL [MODEL ...]`).
 
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     from posttrain.stages import STAGES
 
-    helps = {"pretrain": "flow-matching pretraining", "grpo": "Flow-GRPO post-training"}
+    helps = {"pretrain": "flow-matching pretraining", "grpo": "Flow-GRPO post-training",
+             "dpo": "Diffusion-DPO post-training"}
     for name in [*STAGES, "pipeline"]:
         st = sub.add_parser(name, help=helps.get(name, "chain stages, then evaluate") + " from a YAML config")
         st.add_argument("config")

@@ -21,7 +21,13 @@ def _grpo():
     return GRPOConfig, train
 
 
-STAGES: dict[str, Callable[[], tuple[type, Callable]]] = {"pretrain": _pretrain, "grpo": _grpo}
+def _dpo():
+    from posttrain.dpo import DPOConfig, train
+
+    return DPOConfig, train
+
+
+STAGES: dict[str, Callable[[], tuple[type, Callable]]] = {"pretrain": _pretrain, "grpo": _grpo, "dpo": _dpo}
 
 
 def get_stage(command: str) -> tuple[type, Callable]:

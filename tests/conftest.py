@@ -49,3 +49,11 @@ def grpo_config(run_dir, export, *overrides):
 
     return load_config(GRPOConfig, ROOT / "configs/grpo/emoji_tiny.yaml",
                        [f"run_dir={run_dir}", f"model.pretrained={export}", *overrides])
+
+
+def dpo_config(run_dir, export, *overrides):
+    from posttrain.dpo import DPOConfig
+    from pretrain.config import load_config
+
+    return load_config(DPOConfig, ROOT / "configs/dpo/emoji_tiny.yaml",
+                       [f"run_dir={run_dir}", f"model.pretrained={export}", *overrides])

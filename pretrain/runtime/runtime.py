@@ -125,8 +125,9 @@ class Runtime:
     def load(self, path: str | Path) -> None:
         state = self.state_dict()
         self.checkpoints.load(state, path)
+        # frozen parameters (a LoRA base) are not in the checkpoint: they come from the export
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(ignore_frozen_params=True))
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.guard.load_state_dict(state["guard"])

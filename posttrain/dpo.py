@@ -1,0 +1,228 @@
+"""`posttrain dpo`: Diffusion-DPO (Wallace et al. 2023) for flow-matching models on the shared runtime.
+
+Pairs come from a local Pick-a-Pic-schema dataset (``source: offline``) or from the current policy
+(``source: online``: K samples per prompt, scored, best vs worst above a margin, re-sampled every
+``online.resample_every`` steps). Each step draws one (noise, sigma) per pair, shared by winner and
+loser, and applies :func:`posttrain.dpo_loss.diffusion_dpo_loss` on velocity errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
+from posttrain.dpo_errors import flow_errors
+from posttrain.dpo_loss import diffusion_dpo_loss
+from posttrain.policy import Policy, PolicyConfig
+from pretrain.codec import CodecConfig
+from pretrain.config import save_config
+from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
+from pretrain.evaluation import write_grid
+from pretrain.export import export_model, load_exported
+from pretrain.models import ModelConfig, count_parameters
+from pretrain.objective import FlowConfig, draw_training_noise
+from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
+from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.runtime import Runtime, resolve_device
+from pretrain.seeding import seed_for
+from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
+from rewards.base import CompositeReward
+
+
+@dataclass
+class DPOLossConfig:
+    """``beta``: 750 by default for velocity errors. The published 2500 (SD1.5) / 5000 (SDXL) are for
+    noise errors; with x_sigma = (1 - sigma) x0 + sigma eps the noise error is (1 - sigma)^2 times the
+    velocity error, and E[(1 - sigma)^2] is about 0.3 under logit-normal(0, 1) sigmas, so 2500 x 0.3 =
+    750 puts the inside term on the SD1.5 scale. ``loss_type``: sigmoid | hinge | ipo. ``flow``: the
+    sigma distribution used to noise pairs (logit-normal, as in pretraining)."""
+
+    beta: float = 750.0
+    loss_type: str = "sigmoid"
+    flow: FlowConfig = field(default_factory=lambda: FlowConfig(cond_dropout=0.0))
+
+
+@dataclass
+class OfflineConfig:
+    """``path``: parquet file, jsonl file, or a folder with ``*.parquet`` or ``pairs.jsonl``;
+    ``ties``: "drop" or "half"; ``heldout_fraction`` of pairs kept aside for implicit accuracy."""
+
+    path: str | None = None
+    ties: str = "drop"
+    limit: int | None = None
+    heldout_fraction: float = 0.1
+
+
+@dataclass
+class OnlineConfig:
+    """``prompts_per_round`` train prompts x ``samples_per_prompt`` ODE samples every
+    ``resample_every`` steps; a pair is kept when best - worst reward > ``margin``."""
+
+    prompts_per_round: int = 32
+    samples_per_prompt: int = 4
+    margin: float = 0.0
+    resample_every: int = 10
+    num_inference_steps: int = 10
+    guidance_scale: float = 4.0
+
+
+@dataclass
+class DPOEvalConfig:
+    every: int = 0
+    grid_prompts: int = 16
+    num_inference_steps: int = 20
+    guidance_scale: float = 4.0
+
+
+@dataclass
+class DPOConfig:
+    """`posttrain dpo` config. ``train.steps``: optimizer steps; ``train.batch_size``: pairs per
+    micro-batch. Outputs go to ``<run_dir>/dpo/``."""
+
+    run_dir: str = "runs/dpo"
+    source: str = "online"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
+    offline: OfflineConfig = field(default_factory=OfflineConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    rewards: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: DPOEvalConfig = field(default_factory=DPOEvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, seed: int, step: int, offset: int, device):
+    """DPO loss of one micro-batch of pairs; (noise, sigma) of pair i keyed by (seed, step, offset + i)
+    and shared by its winner and loser. Returns (float32 loss, stats)."""
+    p = len(pairs)
+    x0 = codec.encode(torch.cat([pairs.images_w, pairs.images_l]).to(device))
+    noise, sigma, _ = draw_training_noise(x0[:p], seed, step, range(offset, offset + p), cfg.flow)
+    noise, sigma = torch.cat([noise, noise]), torch.cat([sigma, sigma])
+    embeds = PromptEmbeds.cat([pairs.embeds, pairs.embeds]).to(device)
+    err = flow_errors(policy.model, x0, embeds, noise, sigma)
+    with torch.no_grad(), policy.reference() as ref:
+        ref_err = flow_errors(ref, x0, embeds, noise, sigma)
+    return diffusion_dpo_loss(err[:p], err[p:], ref_err[:p], ref_err[p:], cfg.beta, cfg.loss_type,
+                              pairs.weights.to(device))
+
+
+@torch.no_grad()
+def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, seed: int, device,
+                      batch: int = 64) -> float:
+    """Share of ``pairs`` whose inside term is > 0 (ties 0.5), with a fixed (noise, sigma) per pair
+    (stream "eval"), so the number is comparable across steps."""
+    total = 0.0
+    for s in range(0, len(pairs), batch):
+        sub = pairs.select(list(range(s, min(len(pairs), s + batch))))
+        x0 = codec.encode(torch.cat([sub.images_w, sub.images_l]).to(device))
+        p = len(sub)
+        noise, sigma, _ = draw_training_noise(x0[:p], seed, 0, range(s, s + p), cfg.flow, stream="eval")
+        noise, sigma = torch.cat([noise, noise]), torch.cat([sigma, sigma])
+        embeds = PromptEmbeds.cat([sub.embeds, sub.embeds]).to(device)
+        err = flow_errors(policy.model, x0, embeds, noise, sigma)
+        with policy.reference() as ref:
+            ref_err = flow_errors(ref, x0, embeds, noise, sigma)
+        total += diffusion_dpo_loss(err[:p], err[p:], ref_err[:p], ref_err[p:], cfg.beta)[1]["implicit_acc"] * p
+    return total / len(pairs)
+
+
+def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet]:
+    """Train / held-out split of the offline pairs (held-out = every k-th pair)."""
+    if not cfg.offline.path:
+        raise ValueError("offline.path: required when source is 'offline'")
+    w, lo, caps, weights, _ = load_preference_pairs(cfg.offline.path, size, cfg.offline.ties, cfg.offline.limit)
+    embeds = encoder.encode(caps)
+    pairs = PairSet(w.float() / 255, lo.float() / 255, caps, embeds, weights)
+    every = max(2, round(1 / cfg.offline.heldout_fraction)) if cfg.offline.heldout_fraction > 0 else 0
+    held = [i for i in range(len(pairs)) if every and i % every == every - 1]
+    train = [i for i in range(len(pairs)) if i not in set(held)]
+    return pairs.select(train), pairs.select(held or train[:1])
+
+
+def train(cfg: DPOConfig) -> Path:
+    """Run Diffusion-DPO; returns the merged export folder (``<run>/dpo/export``; adapter in ``lora/``)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if not cfg.model.pretrained:
+        raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
+    if cfg.source not in ("online", "offline"):
+        raise ValueError(f"source: '{cfg.source}' must be 'online' or 'offline'")
+    on = cfg.online
+    if cfg.source == "online" and cfg.checkpoint.every % on.resample_every:
+        raise ValueError("checkpoint.every must be a multiple of online.resample_every (pairs are re-sampled "
+                         "from the model at round boundaries, which is what a resume reproduces)")
+    device, seed = resolve_device(cfg.train.device), cfg.train.seed
+    run = Path(cfg.run_dir) / "dpo"
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run / "config.yaml")
+    model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
+    train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
+    null = encoder.encode([""]).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_for(seed, "init"))
+        policy = Policy(model, cfg.policy)
+    prompts = EpochSampler(len(train_set), seed)
+    stateful = {"prompts": prompts}
+    if cfg.source == "offline":
+        pairs, held_pairs = offline_pairs(cfg, encoder, meta["image_size"])
+        pair_sampler = EpochSampler(len(pairs), seed)
+        stateful["pairs"] = pair_sampler
+    rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
+    rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last, stateful)
+    resumed = rt.resume() if cfg.checkpoint.resume else None
+    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"))
+    logger.write(f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable; source {cfg.source}; "
+                 f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
+                 f"{cfg.train.grad_accum} per step" + (f"; resumed from {resumed}" if resumed else ""))
+    if cfg.source == "offline":
+        logger.log(rt.step, {"heldout_implicit_acc": implicit_accuracy(policy, codec, held_pairs, cfg.dpo, seed, device)},
+                   advance=False)
+    b, accum = cfg.train.batch_size, cfg.train.grad_accum
+    if cfg.source == "online":
+        pairs = None
+    while rt.step < cfg.train.steps:
+        step, metrics = rt.step, {}
+        if cfg.source == "online" and (pairs is None or step % on.resample_every == 0):
+            model.eval()
+            pairs, metrics = online_pairs(model, codec, train_set, prompts.next(on.prompts_per_round),
+                                          on.samples_per_prompt, rewards, null, on.num_inference_steps,
+                                          on.guidance_scale, meta["sampling"]["shift"], on.margin, seed,
+                                          step // on.resample_every, device)
+            if pairs is None:
+                raise ValueError(f"step {step}: no prompt had a reward gap above online.margin={on.margin}")
+            pair_sampler = EpochSampler(len(pairs), seed + step)
+        model.train()
+        loss_sum, stats_sum = 0.0, {}
+        for micro in range(accum):
+            with rt.autocast():
+                loss, stats = pair_loss(policy, codec, pairs.select(pair_sampler.next(b)), cfg.dpo, seed, step,
+                                        micro * b, device)
+            rt.backward(loss)
+            loss_sum += loss.item() / accum
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + v / accum
+        metrics.update({"loss": loss_sum, **stats_sum, **rt.optimizer_step(loss_sum)})
+        done = rt.step == cfg.train.steps
+        if cfg.source == "offline" and (done or (cfg.eval.every and rt.step % cfg.eval.every == 0)):
+            metrics["heldout_implicit_acc"] = implicit_accuracy(policy, codec, held_pairs, cfg.dpo, seed, device)
+        logger.log(rt.step, metrics)
+        if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
+            rt.save()
+    final = rt.sampling_model().eval()
+    e = cfg.eval
+    grid = write_grid(final, codec, held, null, e.grid_prompts, seed, e.num_inference_steps, e.guidance_scale,
+                      meta["sampling"]["shift"], device, run / "samples" / f"heldout_step_{rt.step:06d}.png")
+    logger.write(f"grid: {grid}")
+    policy.save_adapter(run / "lora", final)
+    out = export_model(policy.merged_transformer(final), run / "export", TextEncoderConfig(**meta["text_encoder"]),
+                       CodecConfig(**meta["codec"]), meta["image_size"], meta["sampling"])
+    logger.write(f"exported {out}")
+    logger.close()
+    return out
