@@ -1,4 +1,4 @@
-"""pretrain -> grpo chained by the pipeline runner, then the paired evaluation."""
+"""pretrain -> dpo -> grpo chained by the pipeline runner, then the paired evaluation."""
 
 import yaml
 
@@ -13,6 +13,7 @@ def test_pipeline_chains_stages_and_evaluates(tmp_path, capsys):
         "stages": [
             {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml"),
              "overrides": ["train.steps=10", "eval.every=0"]},
+            {"command": "dpo", "config": str(ROOT / "configs/dpo/emoji_tiny.yaml"), "overrides": ["train.steps=2"]},
             {"command": "grpo", "config": str(ROOT / "configs/grpo/emoji_tiny.yaml"), "overrides": ["train.steps=1"]},
         ],
         "eval": {"num_prompts": 8, "num_inference_steps": 4, "guard_samples": 16, "grid_prompts": 4},
@@ -21,12 +22,15 @@ def test_pipeline_chains_stages_and_evaluates(tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg))
     assert main(["pipeline", str(path)]) == 0
     run = tmp_path / "run"
+    dpo_cfg = yaml.safe_load((run / "dpo/config.yaml").read_text())
     grpo_cfg = yaml.safe_load((run / "grpo/config.yaml").read_text())
-    assert grpo_cfg["model"]["pretrained"] == str(run / "pretrain/export")
+    assert dpo_cfg["model"]["pretrained"] == str(run / "pretrain/export")
+    assert grpo_cfg["model"]["pretrained"] == str(run / "dpo/export")
     report = (run / "eval/report.md").read_text()
     assert "jpeg_compressibility" in report and "guard: held-out flow-matching loss" in report
-    assert (run / "eval/grid_model0.png").is_file() and (run / "eval/grid_model1.png").is_file()
-    assert "model 1 - model 0" in capsys.readouterr().out
+    assert all((run / f"eval/grid_model{i}.png").is_file() for i in range(3))
+    out = capsys.readouterr().out
+    assert "model 1 - model 0" in out and "model 2 - model 0" in out
 
 
 def test_eval_of_a_model_against_itself_is_exactly_zero(tiny_export, tmp_path):
