@@ -2,7 +2,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-DEB_PACKAGES := tesseract-ocr
+DEB_PACKAGES :=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 # Debian packages, installed only when run as root and missing (CI runs as root).
 system:
-	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+	@if [ -n "$(DEB_PACKAGES)" ] && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
 	  missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi; \
 	fi

@@ -56,7 +56,7 @@ def _sample(args) -> int:
     device = resolve_device(args.device)
     model, encoder, codec, meta = load_exported(args.model, device=str(device))
     s = meta["sampling"]
-    steps = args.steps or s["num_inference_steps"]
+    steps = args.steps if args.steps is not None else s["num_inference_steps"]
     scale = args.guidance_scale if args.guidance_scale is not None else s["guidance_scale"]
     embeds, null = encoder.encode(args.prompts), encoder.encode([""])
     size = meta["image_size"] // codec.downsample
@@ -66,6 +66,13 @@ def _sample(args) -> int:
     out = args.out or os.path.join(args.model, "..", "samples", f"sample_seed{args.seed}.png")
     print(f"grid: {save_grid(codec.decode(latents), args.prompts, out)}")
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("model", help="export folder written by `posttrain pretrain`")
     smp.add_argument("--prompts", nargs="+", required=True)
     smp.add_argument("--seed", type=int, default=0)
-    smp.add_argument("--steps", type=int, default=None)
+    smp.add_argument("--steps", type=_positive, default=None)
     smp.add_argument("--guidance-scale", type=float, default=None)
     smp.add_argument("--device", default="auto")
     smp.add_argument("--out", default=None)
@@ -94,10 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("models", nargs="+")
     ev.add_argument("--rewards", nargs="+", default=["jpeg_compressibility"])
     ev.add_argument("--prompts", default="heldout", help="heldout, train, or a file with one prompt per line")
-    ev.add_argument("--num-prompts", type=int, default=128)
-    ev.add_argument("--samples-per-prompt", type=int, default=1)
+    ev.add_argument("--num-prompts", type=_positive, default=128)
+    ev.add_argument("--samples-per-prompt", type=_positive, default=1)
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--steps", type=int, default=20)
+    ev.add_argument("--steps", type=_positive, default=20)
     ev.add_argument("--guidance-scale", type=float, default=4.0)
     ev.add_argument("--device", default="auto")
     ev.add_argument("--out", default=None)

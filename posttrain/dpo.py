@@ -21,7 +21,7 @@ from pretrain.codec import CodecConfig
 from pretrain.config import save_config
 from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
 from pretrain.evaluation import write_grid
-from pretrain.export import export_model, load_exported
+from pretrain.export import export_model, load_exported, require_export
 from pretrain.models import ModelConfig, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
@@ -43,6 +43,14 @@ class DPOLossConfig:
     beta: float = 750.0
     loss_type: str = "sigmoid"
     flow: FlowConfig = field(default_factory=lambda: FlowConfig(cond_dropout=0.0))
+
+    def validate(self, prefix: str = "") -> None:
+        from posttrain.dpo_loss import PAIR_LOSSES
+
+        if self.beta <= 0:
+            raise ValueError(f"{prefix}beta: must be > 0, got {self.beta}")
+        if self.loss_type not in PAIR_LOSSES:
+            raise ValueError(f"{prefix}loss_type: '{self.loss_type}' is not one of {sorted(PAIR_LOSSES)}")
 
 
 @dataclass
@@ -68,6 +76,13 @@ class OnlineConfig:
     num_inference_steps: int = 10
     guidance_scale: float = 4.0
 
+    def validate(self, prefix: str = "") -> None:
+        for name in ("prompts_per_round", "resample_every", "num_inference_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"{prefix}samples_per_prompt: must be >= 2 to form a pair")
+
 
 @dataclass
 class DPOEvalConfig:
@@ -90,12 +105,27 @@ class DPOConfig:
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
     offline: OfflineConfig = field(default_factory=OfflineConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
-    rewards: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    rewards: dict[str, float] = field(default_factory=dict)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: DPOEvalConfig = field(default_factory=DPOEvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str = "") -> None:
+        from posttrain.grpo import check_rewards
+
+        if not self.model.pretrained:
+            raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
+        if self.source not in ("online", "offline"):
+            raise ValueError(f"source: '{self.source}' is not one of online, offline")
+        if self.source == "offline" and not self.offline.path:
+            raise ValueError("offline.path: required when source is 'offline'")
+        if self.source == "online":
+            check_rewards(self.rewards)
+            if self.checkpoint.every % self.online.resample_every:
+                raise ValueError("checkpoint.every: must be a multiple of online.resample_every (pairs are "
+                                 "re-sampled from the model at round boundaries, which a resume reproduces)")
 
 
 def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, seed: int, step: int, offset: int, device):
@@ -150,14 +180,8 @@ def train(cfg: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the merged export folder (``<run>/dpo/export``; adapter in ``lora/``)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if not cfg.model.pretrained:
-        raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
-    if cfg.source not in ("online", "offline"):
-        raise ValueError(f"source: '{cfg.source}' must be 'online' or 'offline'")
+    require_export(cfg.model.pretrained)
     on = cfg.online
-    if cfg.source == "online" and cfg.checkpoint.every % on.resample_every:
-        raise ValueError("checkpoint.every must be a multiple of online.resample_every (pairs are re-sampled "
-                         "from the model at round boundaries, which is what a resume reproduces)")
     device, seed = resolve_device(cfg.train.device), cfg.train.seed
     run = Path(cfg.run_dir) / "dpo"
     run.mkdir(parents=True, exist_ok=True)
@@ -176,7 +200,7 @@ def train(cfg: DPOConfig) -> Path:
         stateful["pairs"] = pair_sampler
     rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
     rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last, stateful)
-    resumed = rt.resume() if cfg.checkpoint.resume else None
+    resumed = rt.start(cfg.checkpoint.resume)
     logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"))
     logger.write(f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable; source {cfg.source}; "
                  f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
@@ -191,10 +215,11 @@ def train(cfg: DPOConfig) -> Path:
         step, metrics = rt.step, {}
         if cfg.source == "online" and (pairs is None or step % on.resample_every == 0):
             model.eval()
-            pairs, metrics = online_pairs(model, codec, train_set, prompts.next(on.prompts_per_round),
-                                          on.samples_per_prompt, rewards, null, on.num_inference_steps,
-                                          on.guidance_scale, meta["sampling"]["shift"], on.margin, seed,
-                                          step // on.resample_every, device)
+            with rt.autocast():
+                pairs, metrics = online_pairs(model, codec, train_set, prompts.next(on.prompts_per_round),
+                                              on.samples_per_prompt, rewards, null, on.num_inference_steps,
+                                              on.guidance_scale, meta["sampling"]["shift"], on.margin, seed,
+                                              step // on.resample_every, device)
             if pairs is None:
                 raise ValueError(f"step {step}: no prompt had a reward gap above online.margin={on.margin}")
             pair_sampler = EpochSampler(len(pairs), seed + step)

@@ -1,4 +1,4 @@
-"""Paired before/after evaluation (DESIGN.md "Evaluation").
+"""Paired before/after evaluation.
 
 Every model samples the same prompts with the deterministic ODE sampler, the same step count and the
 same per-prompt seeds; for each reward we report each model's mean and, against the first model, the

@@ -19,7 +19,7 @@ from pretrain.codec import CodecConfig
 from pretrain.config import save_config
 from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
 from pretrain.evaluation import write_grid
-from pretrain.export import export_model, load_exported
+from pretrain.export import export_model, load_exported, require_export
 from pretrain.models import ModelConfig, count_parameters
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
@@ -42,12 +42,26 @@ class RolloutConfig:
     num_inference_steps: int = 10
     noise_level: float = 0.7
     guidance_scale: float = 4.0
-    shift: float = 1.0
+    shift: float | None = None
     prompts_per_step: int = 8
     group_size: int = 8
     batch_size: int = 32
     timestep_fraction: float = 0.99
     timestep_selection: str = "first"
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("num_inference_steps", "prompts_per_step", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(f"{prefix}group_size: must be >= 2 (group advantages of one sample are 0)")
+        if self.noise_level <= 0:
+            raise ValueError(f"{prefix}noise_level: must be > 0 (0 is the deterministic ODE: no log-prob, "
+                             f"nothing to train)")
+        if not 0.0 < self.timestep_fraction <= 1.0:
+            raise ValueError(f"{prefix}timestep_fraction: must be in (0, 1], got {self.timestep_fraction}")
+        if self.timestep_selection not in ("first", "random"):
+            raise ValueError(f"{prefix}timestep_selection: '{self.timestep_selection}' is not one of first, random")
 
 
 @dataclass
@@ -64,8 +78,10 @@ class GRPOEvalConfig:
 class GRPOConfig:
     """`posttrain grpo` config. ``model.pretrained``: an export folder (from `posttrain pretrain` or a
     previous stage). ``train.steps``: iterations; ``train.batch_size``: training mini-batch (samples);
-    ``train.grad_accum``: mini-batches per optimizer step. ``rewards``: ``{name: weight}``. Outputs go
-    to ``<run_dir>/grpo/``."""
+    ``train.grad_accum``: mini-batches per optimizer step; ``checkpoint.every`` counts iterations (the
+    folders are named by optimizer step). ``rewards``: ``{name: weight}`` (required; dict values from
+    the command line merge into the file's, so switch a reward off with weight 0).
+    ``rollout.shift``: None takes the export's sampling shift. Outputs go to ``<run_dir>/grpo/``."""
 
     run_dir: str = "runs/grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -73,12 +89,20 @@ class GRPOConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    rewards: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    rewards: dict[str, float] = field(default_factory=dict)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: GRPOEvalConfig = field(default_factory=GRPOEvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str = "") -> None:
+        if not self.model.pretrained:
+            raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
+        if self.grpo.inner_epochs < 1:
+            raise ValueError("grpo.inner_epochs: must be >= 1")
+        check_rewards(self.rewards)
+        iteration_shape(self)
 
 
 def iteration_shape(cfg: GRPOConfig) -> tuple[int, int, int]:
@@ -93,12 +117,25 @@ def iteration_shape(cfg: GRPOConfig) -> tuple[int, int, int]:
     return n, n // mb, cfg.grpo.inner_epochs * (n // mb) // accum
 
 
+LAST = ("lr", "nonfinite_total", "amp_overflows")
+
+
 def summarize(stats: list[dict]) -> dict:
-    """Mean of per-mini-batch stats (min / max for ratio_min / ratio_max)."""
+    """Per-iteration view of per-mini-batch stats: min / max for ratio_min / ratio_max, the last value
+    of counters and the LR, the sum of ``skipped``, the mean otherwise."""
     out: dict = {}
     for key in {k for s in stats for k in s if isinstance(s[k], (int, float))}:
         vals = [s[key] for s in stats if key in s]
-        out[key] = min(vals) if key == "ratio_min" else max(vals) if key == "ratio_max" else sum(vals) / len(vals)
+        if key == "ratio_min":
+            out[key] = min(vals)
+        elif key == "ratio_max":
+            out[key] = max(vals)
+        elif key in LAST:
+            out[key] = vals[-1]
+        elif key == "skipped":
+            out[key] = sum(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
     out["nonfinite"] = next((s["nonfinite"] for s in stats if s.get("nonfinite")), "")
     return out
 
@@ -112,17 +149,29 @@ def reward_stats(total: torch.Tensor, raw: dict[str, torch.Tensor]) -> dict:
     return out
 
 
+def check_rewards(weights: dict[str, float]) -> None:
+    """``ValueError`` naming ``rewards`` when empty or naming an unknown reward."""
+    from rewards.base import known_rewards
+
+    if not any(w != 0 for w in weights.values()):
+        raise ValueError("rewards: at least one reward with a non-zero weight is required, "
+                         "e.g. {jpeg_compressibility: 1.0}")
+    unknown = sorted(set(weights) - set(known_rewards()))
+    if unknown:
+        raise ValueError(f"rewards: unknown reward(s) {unknown}; known: {known_rewards()}")
+
+
 def train(cfg: GRPOConfig) -> Path:
     """Run GRPO; returns the merged export folder (``<run>/grpo/export``; adapter in ``lora/``)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if not cfg.model.pretrained:
-        raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
-    device, seed, ro = resolve_device(cfg.train.device), cfg.train.seed, cfg.rollout
+    require_export(cfg.model.pretrained)
+    device, seed = resolve_device(cfg.train.device), cfg.train.seed
     run = Path(cfg.run_dir) / "grpo"
     run.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run / "config.yaml")
     model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
+    ro = replace(cfg.rollout, shift=meta["sampling"]["shift"] if cfg.rollout.shift is None else cfg.rollout.shift)
     train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
     null = encoder.encode([""]).to(device)
     with torch.random.fork_rng(devices=[]):
@@ -133,7 +182,7 @@ def train(cfg: GRPOConfig) -> Path:
     rewards = CompositeReward(cfg.rewards)
     rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
                  stateful={"prompts": prompts}, total_steps=cfg.train.steps * opt_per_iter)
-    resumed = rt.resume() if cfg.checkpoint.resume else None
+    resumed = rt.start(cfg.checkpoint.resume)
     it = rt.step // opt_per_iter
     sigmas = sigma_schedule(ro.num_inference_steps, ro.shift)
     size = meta["image_size"] // codec.downsample
@@ -154,9 +203,10 @@ def train(cfg: GRPOConfig) -> Path:
     while it < cfg.train.steps:
         t0 = time.perf_counter()
         model.eval()
-        traj = collect_rollouts(model, codec, train_set, prompts.next(ro.prompts_per_step), ro.group_size,
-                                ro.batch_size, null, sigmas, ro.noise_level, ro.guidance_scale,
-                                (codec.channels, size, size), seed, it, device)
+        with rt.autocast():  # the same precision as the update, so the ratio starts at 1
+            traj = collect_rollouts(model, codec, train_set, prompts.next(ro.prompts_per_step), ro.group_size,
+                                    ro.batch_size, null, sigmas, ro.noise_level, ro.guidance_scale,
+                                    (codec.channels, size, size), seed, it, device)
         t1 = time.perf_counter()
         total, raw = rewards(traj.images, traj.prompts)
         adv, valid, zero = group_advantages(total, traj.group_ids, cfg.grpo.adv_clip_max)
@@ -168,6 +218,8 @@ def train(cfg: GRPOConfig) -> Path:
                             cfg.train.batch_size, ro.guidance_scale, ro.noise_level, seed, it)
         it += 1
         t3 = time.perf_counter()
+        if bool(zero.all()):
+            logger.write(f"iteration {it}: every group has zero reward spread: no learning signal")
         metrics = {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
                    "samples_per_s": n / (t3 - t0), "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1,
                    "time_train_s": t3 - t2}

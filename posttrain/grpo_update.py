@@ -20,7 +20,8 @@ class GRPOLossConfig:
     """``clip_range``: PPO clip on the per-element-mean log-prob ratio; ``beta``: weight of the KL to
     the reference (Flow-GRPO form); ``adv_clip_max``: advantage clip; ``inner_epochs``: passes over
     the buffer per iteration; ``drop_zero_spread_groups``: mask groups whose rewards are all equal;
-    ``detach_uncond``: no gradient through the unconditional CFG branch (Flow-GRPO)."""
+    ``detach_uncond``: no gradient through the unconditional CFG branch (default; set false for
+    flow_grpo's behaviour, gradients through both branches). The loss value is the same either way."""
 
     clip_range: float = 1e-3
     beta: float = 0.04

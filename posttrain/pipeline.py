@@ -23,8 +23,10 @@ class StageConfig:
 
 @dataclass
 class PipelineConfig:
-    """Stages run in order under ``run_dir`` (stage outputs in ``<run_dir>/<command>/``); stage i > 0
-    gets ``model.pretrained`` = stage i - 1's export. ``eval`` runs on all exports at the end."""
+    """Stages run in order under ``run_dir`` (stage outputs in ``<run_dir>/<command>/``, so a stage's own
+    ``run_dir`` is replaced); stage i > 0 gets ``model.pretrained`` = stage i - 1's export. Every stage
+    config is loaded and validated before the first one trains. ``eval`` runs on all exports at the
+    end, on the first stage's data (held-out prompts and guard images)."""
 
     run_dir: str = "runs/pipeline"
     stages: list[StageConfig] = field(default_factory=list)
@@ -42,22 +44,29 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
     run = Path(cfg.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run / "pipeline.yaml")
-    exports: list[str] = []
+    stages = []  # load and validate every stage up front, before any training
     for i, stage in enumerate(cfg.stages):
         try:
             schema, train = get_stage(stage.command)
         except ValueError as e:
-            raise ConfigError(f"pipeline: stages.{i}.command: {e.args[0]}") from e
+            raise ConfigError(f"pipeline: stages.{i}.command: {e}") from e
         overrides = [*stage.overrides, f"run_dir={cfg.run_dir}"]
-        if exports:
-            overrides.append(f"model.pretrained={exports[-1]}")
+        if i > 0:
+            overrides.append(f"model.pretrained={run / cfg.stages[i - 1].command / 'export'}")
         if resume:
             overrides.append("checkpoint.resume=true")
+        try:
+            stages.append((stage, train, load_config(schema, stage.config, overrides)))
+        except ConfigError as e:
+            raise ConfigError(f"pipeline: stages.{i} ({stage.command}): {e}") from e
+    exports: list[str] = []
+    for i, (stage, train, stage_cfg) in enumerate(stages):
         print(f"== stage {i}: {stage.command} ({stage.config})", flush=True)
-        exports.append(str(train(load_config(schema, stage.config, overrides))))
+        exports.append(str(train(stage_cfg)))
     results = None
     if cfg.evaluate:
         print("== evaluation", flush=True)
-        results = evaluate(exports, cfg.eval, run / "eval", device=resolve_device(cfg.device))
+        data = getattr(stages[0][2], "data", None)  # held-out prompts and guard images of the first stage's data
+        results = evaluate(exports, cfg.eval, run / "eval", device=resolve_device(cfg.device), data=data)
         print(results["table"], flush=True)
     return {"exports": exports, "eval": results}

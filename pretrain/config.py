@@ -7,6 +7,7 @@ message names the dotted key and the file (or "command line" for overrides); the
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -52,9 +53,26 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
         except OmegaConfBaseException as e:
             raise ConfigError(f"command line: {_describe(e)} (in '{item}')") from e
     try:
-        return OmegaConf.to_object(cfg)
+        obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path or 'config'}: {_describe(e)}") from e
+    try:
+        validate(obj)
+    except ValueError as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from e
+    return obj
+
+
+def validate(obj, prefix: str = "") -> None:
+    """Call ``validate(prefix)`` on every nested config dataclass (children first). A component's
+    ``validate`` raises ``ValueError`` whose message starts with the dotted key it rejects."""
+    if not is_dataclass(obj):
+        return
+    for f in fields(obj):
+        validate(getattr(obj, f.name), f"{prefix}{f.name}.")
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check(prefix)
 
 
 def save_config(cfg, path: str | Path) -> None:

@@ -34,6 +34,17 @@ def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder
     return out
 
 
+def require_export(path: str | None, key: str = "model.pretrained") -> Path:
+    """``ConfigError`` naming ``key`` unless ``path`` is an export folder of this project."""
+    from pretrain.config import ConfigError
+
+    if not path:
+        raise ConfigError(f"{key}: required (an export folder written by `posttrain pretrain`)")
+    if not (Path(path) / META).is_file():
+        raise ConfigError(f"{key}: '{path}' is not an export folder (no {META}); run the previous stage first")
+    return Path(path)
+
+
 def load_exported(path: str | Path, device: str = "cpu"):
     """Load an exported folder: returns (adapter, text encoder, codec, meta dict). Raises
     ``FileNotFoundError`` naming the folder if it is not an export of this project."""

@@ -1,6 +1,6 @@
 """The one sigma-schedule function and the training-time sigma sampler built on it.
 
-Convention (DESIGN.md): sigma in [0, 1], sigma = 1 is pure noise; x_sigma = (1 - sigma) x0 + sigma eps.
+Convention: sigma in [0, 1], sigma = 1 is pure noise; x_sigma = (1 - sigma) x0 + sigma eps.
 Sampler, trainer and evaluator all call :func:`sigma_schedule`; a trajectory stores the schedule it
 used and is never re-derived differently.
 """

@@ -1,6 +1,6 @@
 """Rank-free seeding: every random draw is keyed by (seed, step, global sample index, stream).
 
-DESIGN.md convention: generators are never seeded by rank, so 1 process and N processes draw the
+Convention: generators are never seeded by rank, so 1 process and N processes draw the
 same noise for the same sample, and a resumed run reproduces the uninterrupted one.
 """
 

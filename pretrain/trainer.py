@@ -56,6 +56,21 @@ class PretrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
+    def validate(self, prefix: str = "") -> None:
+        from pretrain.models import SD3_PRESETS
+
+        if self.data.size < 1:
+            raise ValueError(f"data.size: must be >= 1, got {self.data.size}")
+        if not self.model.pretrained:
+            if self.model.preset not in SD3_PRESETS:
+                raise ValueError(f"model.preset: unknown preset '{self.model.preset}'; known: {sorted(SD3_PRESETS)}")
+            unknown = set(self.model.overrides) - set(SD3_PRESETS["tiny"]) - {"qk_norm", "dual_attention_layers"}
+            if unknown:
+                raise ValueError(f"model.overrides: unknown field(s) {sorted(unknown)}")
+            patch = {**SD3_PRESETS[self.model.preset], **self.model.overrides}["patch_size"] * self.codec.factor
+            if self.data.size % patch:
+                raise ValueError(f"data.size: {self.data.size} is not divisible by the patch size {patch}")
+
 
 def batch_arithmetic(cfg: RuntimeConfig, n_train: int, world: int = 1) -> str:
     per_step = cfg.batch_size * cfg.grad_accum * world
@@ -104,7 +119,7 @@ def train(cfg: PretrainConfig) -> Path:
     sampler = EpochSampler(len(train_set), cfg.train.seed)
     rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
                  stateful={"sampler": sampler})
-    resumed = rt.resume() if cfg.checkpoint.resume else None
+    resumed = rt.start(cfg.checkpoint.resume)
     logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "heldout_loss"))
     logger.write(f"model: {count_parameters(model) / 1e6:.2f} M params; data: {len(train_set)} train / "
                  f"{len(held)} held-out; device {device}; precision {cfg.train.precision}"

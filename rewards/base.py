@@ -1,6 +1,6 @@
 """The reward-model protocol, the registry, and weighted composition.
 
-Protocol (DESIGN.md): ``reward(images, prompts, metadata) -> Tensor[B]`` float32, where ``images`` is
+Protocol: ``reward(images, prompts, metadata) -> Tensor[B]`` float32, where ``images`` is
 float32 ``[B, 3, H, W]`` in [0, 1] (videos ``[B, F, 3, H, W]``); NaN means "not applicable to this
 sample". Any conversion (PIL, resizing, a model's normalisation) happens inside the reward, once.
 This package imports nothing else of the project.
@@ -30,6 +30,13 @@ def register(name: str):
         return factory
 
     return wrap
+
+
+def known_rewards() -> list[str]:
+    """Names of the registered rewards (built-ins included)."""
+    from rewards import jpeg  # noqa: F401  (registers the built-ins)
+
+    return sorted(REGISTRY)
 
 
 def build_reward(name: str, **kwargs) -> RewardModel:

@@ -18,8 +18,10 @@ def guided_velocity(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptE
     """v = v_uncond + w (v_cond - v_uncond) (Ho & Salimans 2022), float32 ``[B, ...]``.
 
     ``model(x, sigma [B], embeds) -> v``. With ``guidance_scale == 1`` only the conditional branch
-    runs. When gradients are enabled and ``detach_uncond`` is set (Flow-GRPO's default), the
-    unconditional branch runs separately under ``no_grad``; otherwise both run as one 2B batch."""
+    runs. When gradients are enabled and ``detach_uncond`` is set (this project's default), the
+    unconditional branch runs separately under ``no_grad``, so the gradient is w * dv_cond; otherwise
+    both run as one 2B batch with gradients through both (w * dv_cond - (w - 1) * dv_uncond), which is
+    what flow_grpo's training step does. The forward value is the same either way."""
     b = x.shape[0]
     sigma = sigma.expand(b) if sigma.ndim == 0 or sigma.shape[0] != b else sigma
     if guidance_scale == 1.0:

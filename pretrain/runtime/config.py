@@ -19,6 +19,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
 
+    def validate(self, prefix: str = "") -> None:
+        if self.lr <= 0:
+            raise ValueError(f"{prefix}lr: must be > 0, got {self.lr}")
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"{prefix}schedule: '{self.schedule}' is not one of constant, cosine")
+        if self.warmup_steps < 0:
+            raise ValueError(f"{prefix}warmup_steps: must be >= 0")
+
 
 @dataclass
 class RuntimeConfig:
@@ -37,7 +45,20 @@ class RuntimeConfig:
     max_nonfinite: int = 3
     device: str = "auto"
     threads: int | None = None
-    log_every: int = 1
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("steps", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"{prefix}ema_decay: must be in [0, 1), got {self.ema_decay}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"{prefix}device: '{self.device}' requested but no CUDA device is available")
 
 
 @dataclass

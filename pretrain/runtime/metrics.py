@@ -18,8 +18,9 @@ def _clean(v):
 
 
 class MetricsLogger:
-    """Append-only JSONL writer. On resume from step ``start_step``, records after it (written by the
-    interrupted run past its last checkpoint) are dropped so the file reads as one run."""
+    """Append-only JSONL writer. A fresh run (``start_step`` 0) starts the file anew; on resume from
+    ``start_step``, records after it (written by the interrupted run past its last checkpoint) and any
+    torn line are dropped, so the file reads as one run."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, wandb: WandbConfig | None = None,
                  config: dict | None = None, show_keys: tuple[str, ...] = ("loss",), enabled: bool = True):
@@ -28,10 +29,16 @@ class MetricsLogger:
         self._wandb = None
         if not enabled:
             return
-        if self.path.exists():
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-            self.path.write_text("".join(k + "\n" for k in keep))
+        keep = []
+        if start_step > 0 and self.path.exists():  # resume: keep what the checkpoint covers
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a kill mid-write
+                    continue
+                if rec.get("step", 0) <= start_step:
+                    keep.append(line)
+        self.path.write_text("".join(k + "\n" for k in keep))
         self._file = self.path.open("a")
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, mininterval=1.0)
         if wandb is not None and wandb.mode != "disabled":

@@ -140,6 +140,17 @@ class Runtime:
             v.load_state_dict(state["stateful"][k])
         set_rng_state(state["rng"])
 
+    def start(self, resume: bool) -> Path | None:
+        """Begin a run: with ``resume``, load the latest complete checkpoint (None if there is none);
+        without it, refuse a checkpoint folder that already holds checkpoints (``ValueError``), so two
+        runs never mix in one directory."""
+        if resume:
+            return self.resume()
+        if self.checkpoints.steps():
+            raise ValueError(f"{self.checkpoints.root} already holds checkpoints {self.checkpoints.steps()}: pass "
+                             f"--resume (checkpoint.resume=true) to continue that run, or use another run_dir")
+        return None
+
     def resume(self) -> Path | None:
         """Load the latest complete checkpoint if there is one; returns its path."""
         latest = self.checkpoints.latest()

@@ -168,3 +168,23 @@ def test_mixed_precision_trains(tmp_path, precision):
     train(tiny_config(tmp_path, f"train.precision={precision}", "train.steps=30", "eval.every=30"))
     held = [r["heldout_loss"] for r in read_metrics(tmp_path / "pretrain/metrics.jsonl") if "heldout_loss" in r]
     assert held[-1] < 0.85 * held[0], held
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, capsys):
+    args = ["pretrain", str(ROOT / "configs/pretrain/emoji_tiny.yaml"), f"run_dir={tmp_path}", "train.steps=2",
+            "checkpoint.every=1", "eval.every=0"]
+    assert main(args) == 0
+    assert main(args[:-3] + ["train.steps=3", "checkpoint.every=1", "eval.every=0"]) == 1
+    assert "--resume" in capsys.readouterr().err
+    assert CheckpointManager(tmp_path / "pretrain/checkpoints").steps() == [1, 2]  # nothing pruned
+
+
+def test_torn_metrics_line_does_not_break_resume(tmp_path):
+    args = ["pretrain", str(ROOT / "configs/pretrain/emoji_tiny.yaml"), f"run_dir={tmp_path}", "train.steps=2",
+            "checkpoint.every=1", "eval.every=0"]
+    assert main(args) == 0
+    metrics = tmp_path / "pretrain/metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 3, "loss": 0.')  # killed mid-write
+    assert main(args[:4] + ["train.steps=3", "checkpoint.every=1", "eval.every=0", "--resume"]) == 0
+    steps = [r["step"] for r in read_metrics(metrics)]
+    assert steps == [0, 1, 2, 3]

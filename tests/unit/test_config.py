@@ -38,16 +38,58 @@ def test_bad_override_names_the_key(capsys):
 
 
 def test_every_shipped_config_loads():
+    from posttrain.pipeline import PipelineConfig
+    from posttrain.stages import get_stage
     from pretrain.config import load_config
-    from pretrain.trainer import PretrainConfig
 
-    for path in sorted((ROOT / "configs/pretrain").glob("*.yaml")):
-        cfg = load_config(PretrainConfig, path)
-        assert cfg.train.steps > 0, path
+    paths = sorted((ROOT / "configs").rglob("*.yaml"))
+    assert len(paths) >= 6
+    for path in paths:
+        schema = PipelineConfig if path.parent.name == "configs" else get_stage(path.parent.name)[0]
+        load_config(schema, path)
 
 
-def test_unknown_preset_is_a_clear_error():
-    from pretrain.models import ModelConfig, build_transformer
+GRPO_TINY = str(ROOT / "configs/grpo/emoji_tiny.yaml")
 
-    with pytest.raises(ValueError, match="model.preset"):
-        build_transformer(ModelConfig(preset="huge"), 16, 3, 384, 384)
+
+@pytest.mark.parametrize("override,key", [
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("rollout.noise_level=0", "rollout.noise_level"),
+    ("rollout.timestep_fraction=0", "rollout.timestep_fraction"),
+    ("rollout.timestep_selection=some", "rollout.timestep_selection"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.batch_size=3", "train.batch_size"),
+    ("rewards.no_such_reward=1.0", "rewards"),
+    ("rewards.jpeg_compressibility=0", "rewards"),
+    ("optim.schedule=linear", "optim.schedule"),
+    ("model.pretrained=null", "model.pretrained"),
+    ("train.precision=fp8", "train.precision"),
+])
+def test_grpo_config_errors_exit_2_before_any_work(capsys, override, key):
+    code, err = run_cli(capsys, "grpo", GRPO_TINY, override)
+    assert code == 2, err
+    assert key in err and "emoji_tiny.yaml" in err
+
+
+def test_missing_export_folder_exits_2(tmp_path, capsys):
+    code, err = run_cli(capsys, "grpo", GRPO_TINY, f"model.pretrained={tmp_path}/nothing")
+    assert code == 2 and "model.pretrained" in err and "not an export folder" in err
+
+
+def test_pretrain_size_not_divisible_by_patch(capsys):
+    code, err = run_cli(capsys, "pretrain", TINY, "data.size=15")
+    assert code == 2 and "data.size" in err
+
+
+def test_sample_and_eval_reject_non_positive_counts(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["sample", str(tmp_path), "--prompts", "a", "--steps", "0"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["eval", str(tmp_path), "--num-prompts", "0"])
+    assert e.value.code == 2
+
+
+def test_unknown_preset_is_a_clear_error(capsys):
+    code, err = run_cli(capsys, "pretrain", TINY, "model.preset=huge")
+    assert code == 2 and "model.preset" in err and "huge" in err
