@@ -37,7 +37,8 @@ class RolloutConfig:
     """SDE sampling for training: ``num_inference_steps`` (Flow-GRPO trains with 10), ``noise_level``
     (0.7; 0 = the ODE), CFG ``guidance_scale`` (also used when recomputing log-probs), schedule
     ``shift``; ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a
-    time; ``timestep_fraction`` of transitions trained, ``timestep_selection`` "first" or "random"."""
+    time; ``timestep_fraction`` of transitions trained, ``timestep_selection`` "first" or "random"
+    (one random subset per iteration, shared by its samples)."""
 
     num_inference_steps: int = 10
     noise_level: float = 0.7
@@ -77,7 +78,7 @@ class GRPOEvalConfig:
 @dataclass
 class GRPOConfig:
     """`posttrain grpo` config. ``model.pretrained``: an export folder (from `posttrain pretrain` or a
-    previous stage). ``train.steps``: iterations; ``train.batch_size``: training mini-batch (samples);
+    previous stage); the other ``model`` fields and ``data.size`` are taken from the export. ``train.steps``: iterations; ``train.batch_size``: training mini-batch (samples);
     ``train.grad_accum``: mini-batches per optimizer step; ``checkpoint.every`` counts iterations (the
     folders are named by optimizer step). ``rewards``: ``{name: weight}`` (required; dict values from
     the command line merge into the file's, so switch a reward off with weight 0).
@@ -221,7 +222,7 @@ def train(cfg: GRPOConfig) -> Path:
         if bool(zero.all()):
             logger.write(f"iteration {it}: every group has zero reward spread: no learning signal")
         metrics = {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
-                   "samples_per_s": n / (t3 - t0), "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1,
+                   "samples_per_s": n / (t3 - t0),  # whole-iteration throughput "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1,
                    "time_train_s": t3 - t2}
         logger.log(it, metrics)
         if cfg.eval.every and it % cfg.eval.every == 0:
