@@ -8,7 +8,7 @@ loser, and applies :func:`posttrain.dpo_loss.diffusion_dpo_loss` on velocity err
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,18 +17,14 @@ from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
 from posttrain.dpo_loss import diffusion_dpo_loss
 from posttrain.policy import Policy, PolicyConfig
-from pretrain.codec import CodecConfig
-from pretrain.config import save_config
-from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
-from pretrain.evaluation import write_grid
-from pretrain.export import export_model, load_exported, require_export
+from posttrain.stage import PolicyStage
+from pretrain.data.dataset import DataConfig, EpochSampler
 from pretrain.models import ModelConfig, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
-from pretrain.runtime.runtime import Runtime, resolve_device
-from pretrain.seeding import seed_for
-from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
+from pretrain.runtime.runtime import Runtime
+from pretrain.text_encoder import PromptEmbeds
 from rewards.base import CompositeReward
 
 
@@ -178,20 +174,10 @@ def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet]
 
 def train(cfg: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the merged export folder (``<run>/dpo/export``; adapter in ``lora/``)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    require_export(cfg.model.pretrained)
     on = cfg.online
-    device, seed = resolve_device(cfg.train.device), cfg.train.seed
-    run = Path(cfg.run_dir) / "dpo"
-    run.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run / "config.yaml")
-    model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
-    train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
-    null = encoder.encode([""]).to(device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed_for(seed, "init"))
-        policy = Policy(model, cfg.policy)
+    st = PolicyStage.setup(cfg, "dpo")
+    model, encoder, codec, meta, device, seed = st.model, st.encoder, st.codec, st.meta, st.device, cfg.train.seed
+    train_set, null, policy, run = st.train_set, st.null, st.policy, st.run
     prompts = EpochSampler(len(train_set), seed)
     stateful = {"prompts": prompts}
     if cfg.source == "offline":
@@ -241,13 +227,8 @@ def train(cfg: DPOConfig) -> Path:
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()
     final = rt.sampling_model().eval()
-    e = cfg.eval
-    grid = write_grid(final, codec, held, null, e.grid_prompts, seed, e.num_inference_steps, e.guidance_scale,
-                      meta["sampling"]["shift"], device, run / "samples" / f"heldout_step_{rt.step:06d}.png")
-    logger.write(f"grid: {grid}")
-    policy.save_adapter(run / "lora", final)
-    out = export_model(policy.merged_transformer(final), run / "export", TextEncoderConfig(**meta["text_encoder"]),
-                       CodecConfig(**meta["codec"]), meta["image_size"], meta["sampling"])
+    logger.write(f"grid: {st.grid(final, cfg.eval, seed, meta['sampling']['shift'], f'heldout_step_{rt.step:06d}.png')}")
+    out = st.finish(final)
     logger.write(f"exported {out}")
     logger.close()
     return out

@@ -14,19 +14,15 @@ import torch
 
 from posttrain.advantages import group_advantages
 from posttrain.grpo_update import GRPOLossConfig, grpo_update
-from posttrain.policy import Policy, PolicyConfig
-from pretrain.codec import CodecConfig
-from pretrain.config import save_config
-from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
-from pretrain.evaluation import write_grid
-from pretrain.export import export_model, load_exported, require_export
+from posttrain.policy import PolicyConfig
+from posttrain.stage import PolicyStage
+from pretrain.data.dataset import DataConfig, EpochSampler
 from pretrain.models import ModelConfig, count_parameters
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
-from pretrain.runtime.runtime import Runtime, resolve_device
+from pretrain.runtime.runtime import Runtime
 from pretrain.schedule import sigma_schedule
-from pretrain.seeding import generator_for, seed_for
-from pretrain.text_encoder import TextEncoderConfig
+from pretrain.seeding import generator_for
 from rewards.base import CompositeReward
 from rollout.collect import collect_rollouts
 from rollout.trajectory import train_timesteps
@@ -164,20 +160,10 @@ def check_rewards(weights: dict[str, float]) -> None:
 
 def train(cfg: GRPOConfig) -> Path:
     """Run GRPO; returns the merged export folder (``<run>/grpo/export``; adapter in ``lora/``)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    require_export(cfg.model.pretrained)
-    device, seed = resolve_device(cfg.train.device), cfg.train.seed
-    run = Path(cfg.run_dir) / "grpo"
-    run.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run / "config.yaml")
-    model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
+    st = PolicyStage.setup(cfg, "grpo")
+    model, codec, meta, device, seed, null = st.model, st.codec, st.meta, st.device, cfg.train.seed, st.null
     ro = replace(cfg.rollout, shift=meta["sampling"]["shift"] if cfg.rollout.shift is None else cfg.rollout.shift)
-    train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
-    null = encoder.encode([""]).to(device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed_for(seed, "init"))
-        policy = Policy(model, cfg.policy)
+    train_set, run, policy = st.train_set, st.run, st.policy
     n, _, opt_per_iter = iteration_shape(cfg)
     prompts = EpochSampler(len(train_set), seed)
     rewards = CompositeReward(cfg.rewards)
@@ -195,11 +181,6 @@ def train(cfg: GRPOConfig) -> Path:
                  f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation "
                  f"{cfg.train.grad_accum} -> {opt_per_iter} optimizer steps/iteration over "
                  f"{cfg.grpo.inner_epochs} inner epoch(s)")
-
-    def grid(m, name: str) -> Path:
-        e = cfg.eval
-        return write_grid(m, codec, held, null, e.grid_prompts, seed, e.num_inference_steps, e.guidance_scale,
-                          ro.shift, device, run / "samples" / name)
 
     while it < cfg.train.steps:
         t0 = time.perf_counter()
@@ -222,18 +203,16 @@ def train(cfg: GRPOConfig) -> Path:
         if bool(zero.all()):
             logger.write(f"iteration {it}: every group has zero reward spread: no learning signal")
         metrics = {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
-                   "samples_per_s": n / (t3 - t0),  # whole-iteration throughput "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1,
-                   "time_train_s": t3 - t2}
+                   "samples_per_s": n / (t3 - t0),  # whole-iteration throughput
+                   "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2}
         logger.log(it, metrics)
         if cfg.eval.every and it % cfg.eval.every == 0:
-            grid(rt.sampling_model().eval(), f"heldout_iter_{it:05d}.png")
+            st.grid(rt.sampling_model().eval(), cfg.eval, seed, ro.shift, f"heldout_iter_{it:05d}.png")
         if it == cfg.train.steps or (cfg.checkpoint.every and it % cfg.checkpoint.every == 0):
             rt.save()
     final = rt.sampling_model().eval()
-    logger.write(f"grid: {grid(final, f'heldout_iter_{it:05d}.png')}")
-    policy.save_adapter(run / "lora", final)
-    out = export_model(policy.merged_transformer(final), run / "export", TextEncoderConfig(**meta["text_encoder"]),
-                       CodecConfig(**meta["codec"]), meta["image_size"], meta["sampling"])
+    logger.write(f"grid: {st.grid(final, cfg.eval, seed, ro.shift, f'heldout_iter_{it:05d}.png')}")
+    out = st.finish(final)
     logger.write(f"exported {out}")
     logger.close()
     return out

@@ -125,8 +125,13 @@ def test_grpo_raises_a_deterministic_reward(tiny_export, tmp_path):
                       "rollout.guidance_scale=1.0", "data.limit=4", "rollout.group_size=8",
                       "rollout.batch_size=16", "train.batch_size=16")
     grpo_train(cfg)
-    rewards = [r["reward_mean"] for r in read_metrics(tmp_path / "grpo/metrics.jsonl")]
+    recs = read_metrics(tmp_path / "grpo/metrics.jsonl")
+    rewards = [r["reward_mean"] for r in recs]
     assert len(rewards) == 6
+    want = {"reward/test_brightness_mean", "reward/test_brightness_std", "clip_frac", "approx_kl", "ratio_min",
+            "ratio_mean", "ratio_max", "grad_norm", "samples_per_s", "zero_spread_frac", "time_rollout_s",
+            "time_reward_s", "time_train_s", "lr", "nonfinite_total"}
+    assert all(want <= set(r) for r in recs), want - set(recs[0])
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.01, rewards
 
 

@@ -1,0 +1,70 @@
+"""What every post-training stage shares: start from an export with a seeded policy, write grids,
+and finish with the LoRA adapter and a merged export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from posttrain.policy import Policy
+from pretrain.codec import CodecConfig
+from pretrain.config import save_config
+from pretrain.data.dataset import EncodedSet, build_datasets
+from pretrain.evaluation import write_grid
+from pretrain.export import export_model, load_exported, require_export
+from pretrain.runtime.runtime import resolve_device
+from pretrain.seeding import seed_for
+from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
+
+
+@dataclass
+class PolicyStage:
+    """A stage's run folder ``<run_dir>/<name>/``, device, the loaded export (``model``, ``encoder``,
+    ``codec``, ``meta``), its train / held-out data at the export's resolution, the empty-prompt
+    embedding ``null`` and the ``policy`` (LoRA or full, initialised from (seed, "init"))."""
+
+    run: Path
+    device: torch.device
+    model: torch.nn.Module
+    encoder: object
+    codec: object
+    meta: dict
+    train_set: EncodedSet
+    held: EncodedSet
+    null: PromptEmbeds
+    policy: Policy
+
+    @classmethod
+    def setup(cls, cfg, name: str) -> "PolicyStage":
+        """From a stage config with ``run_dir``, ``model``, ``data``, ``policy`` and ``train`` fields.
+        Raises ``ConfigError`` if ``model.pretrained`` is not an export folder."""
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        require_export(cfg.model.pretrained)
+        device = resolve_device(cfg.train.device)
+        run = Path(cfg.run_dir) / name
+        run.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run / "config.yaml")
+        model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
+        train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
+        null = encoder.encode([""]).to(device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed_for(cfg.train.seed, "init"))
+            policy = Policy(model, cfg.policy)
+        return cls(run, device, model, encoder, codec, meta, train_set, held, null, policy)
+
+    def grid(self, model, eval_cfg, seed: int, shift: float, name: str) -> Path:
+        """Held-out grid (``eval_cfg.grid_prompts``, ODE steps and guidance) into ``samples/name``."""
+        return write_grid(model, self.codec, self.held, self.null, eval_cfg.grid_prompts, seed,
+                          eval_cfg.num_inference_steps, eval_cfg.guidance_scale, shift, self.device,
+                          self.run / "samples" / name)
+
+    def finish(self, final: torch.nn.Module) -> Path:
+        """Write ``lora/`` (adapter) and ``export/`` (LoRA merged) from ``final``; returns the export."""
+        self.policy.save_adapter(self.run / "lora", final)
+        m = self.meta
+        return export_model(self.policy.merged_transformer(final), self.run / "export",
+                            TextEncoderConfig(**m["text_encoder"]), CodecConfig(**m["codec"]), m["image_size"],
+                            m["sampling"])
