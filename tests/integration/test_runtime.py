@@ -188,3 +188,9 @@ def test_torn_metrics_line_does_not_break_resume(tmp_path):
     assert main(args[:4] + ["train.steps=3", "checkpoint.every=1", "eval.every=0", "--resume"]) == 0
     steps = [r["step"] for r in read_metrics(metrics)]
     assert steps == [0, 1, 2, 3]
+
+
+def test_wandb_offline_mirrors_metrics(tmp_path):
+    train(tiny_config(tmp_path, "train.steps=2", "eval.every=0", "wandb.mode=offline", "wandb.name=tiny"))
+    runs = list((tmp_path / "pretrain/wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
