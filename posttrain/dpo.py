@@ -15,7 +15,7 @@ import torch
 
 from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
-from posttrain.dpo_loss import diffusion_dpo_loss
+from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 from posttrain.policy import Policy, PolicyConfig
 from posttrain.stage import PolicyStage
 from pretrain.data.dataset import DataConfig, EpochSampler
@@ -30,14 +30,19 @@ from rewards.base import CompositeReward
 
 @dataclass
 class DPOLossConfig:
-    """``beta``: 750 by default for velocity errors. The published 2500 (SD1.5) / 5000 (SDXL) are for
-    noise errors; with x_sigma = (1 - sigma) x0 + sigma eps the noise error is (1 - sigma)^2 times the
-    velocity error, and E[(1 - sigma)^2] is about 0.3 under logit-normal(0, 1) sigmas, so 2500 x 0.3 =
-    750 puts the inside term on the SD1.5 scale. ``loss_type``: sigmoid | hinge | ipo. ``flow``: the
-    sigma distribution used to noise pairs (logit-normal, as in pretraining)."""
+    """``beta`` on velocity errors (``error_space: velocity``, default 750) or on noise-equivalent errors
+    (``error_space: noise``: each velocity error is multiplied by (1 - sigma)^2, which is exactly the
+    noise error of the same prediction since eps - eps_hat = (1 - sigma)(v - v_hat), so betas published
+    for epsilon-prediction models, 2500 - 5000, apply as they are). The 750 default is that conversion
+    on average: E[(1 - sigma)^2] is about 0.3 under logit-normal(0, 1) sigmas and 2500 x 0.3 = 750; it
+    weights sigmas differently from noise-space DPO and depends on the data's scale, so treat it as a
+    starting point. ``loss_type``: sigmoid | hinge | ipo. ``flow``: the sigma distribution used to noise
+    pairs (logit-normal, as in pretraining) and ``flow.cond_dropout``, the share of pairs trained on the
+    empty prompt (the reference code uses 0.2; default 0 here)."""
 
     beta: float = 750.0
     loss_type: str = "sigmoid"
+    error_space: str = "velocity"
     flow: FlowConfig = field(default_factory=lambda: FlowConfig(cond_dropout=0.0))
 
     def validate(self, prefix: str = "") -> None:
@@ -47,6 +52,8 @@ class DPOLossConfig:
             raise ValueError(f"{prefix}beta: must be > 0, got {self.beta}")
         if self.loss_type not in PAIR_LOSSES:
             raise ValueError(f"{prefix}loss_type: '{self.loss_type}' is not one of {sorted(PAIR_LOSSES)}")
+        if self.error_space not in ("velocity", "noise"):
+            raise ValueError(f"{prefix}error_space: '{self.error_space}' is not one of velocity, noise")
 
 
 @dataclass
@@ -58,6 +65,12 @@ class OfflineConfig:
     ties: str = "drop"
     limit: int | None = None
     heldout_fraction: float = 0.1
+
+    def validate(self, prefix: str = "") -> None:
+        if self.ties not in ("drop", "half"):
+            raise ValueError(f"{prefix}ties: '{self.ties}' is not one of drop, half")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"{prefix}heldout_fraction: must be in [0, 1), got {self.heldout_fraction}")
 
 
 @dataclass
@@ -78,6 +91,8 @@ class OnlineConfig:
                 raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
         if self.samples_per_prompt < 2:
             raise ValueError(f"{prefix}samples_per_prompt: must be >= 2 to form a pair")
+        if self.margin < 0:
+            raise ValueError(f"{prefix}margin: must be >= 0 (a pair needs a reward gap above it)")
 
 
 @dataclass
@@ -119,57 +134,75 @@ class DPOConfig:
             raise ValueError("offline.path: required when source is 'offline'")
         if self.source == "online":
             check_rewards(self.rewards)
-            if self.checkpoint.every % self.online.resample_every:
-                raise ValueError("checkpoint.every: must be a multiple of online.resample_every (pairs are "
-                                 "re-sampled from the model at round boundaries, which a resume reproduces)")
+            for key, value in (("checkpoint.every", self.checkpoint.every), ("train.steps", self.train.steps)):
+                if value % self.online.resample_every:
+                    raise ValueError(f"{key}: must be a multiple of online.resample_every (pairs are re-sampled "
+                                     f"from the model at round boundaries, which is what a resume reproduces)")
 
 
-def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, seed: int, step: int, offset: int, device):
-    """DPO loss of one micro-batch of pairs; (noise, sigma) of pair i keyed by (seed, step, offset + i)
-    and shared by its winner and loser. Returns (float32 loss, stats)."""
+def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, seed: int, step: int,
+                offset: int, device, stream: str = "train", reference=None):
+    """Per-pair errors (e_w, e_l) ``[P]`` of ``model`` (and of ``reference`` when given). Pair i's
+    (noise, sigma, prompt dropout) is keyed by (seed, stream, step, offset + i) and shared by its
+    winner and loser; with ``error_space: noise`` errors are scaled by (1 - sigma)^2."""
     p = len(pairs)
     x0 = codec.encode(torch.cat([pairs.images_w, pairs.images_l]).to(device))
-    noise, sigma, _ = draw_training_noise(x0[:p], seed, step, range(offset, offset + p), cfg.flow)
-    noise, sigma = torch.cat([noise, noise]), torch.cat([sigma, sigma])
+    noise, sigma, drop = draw_training_noise(x0[:p], seed, step, range(offset, offset + p), cfg.flow, stream=stream)
+    noise, sigma, drop = torch.cat([noise, noise]), torch.cat([sigma, sigma]), torch.cat([drop, drop])
     embeds = PromptEmbeds.cat([pairs.embeds, pairs.embeds]).to(device)
-    err = flow_errors(policy.model, x0, embeds, noise, sigma)
+    keep = (~drop).float()
+    embeds = PromptEmbeds(embeds.tokens * keep[:, None, None] + null.tokens * (1 - keep[:, None, None]),
+                          embeds.pooled * keep[:, None] + null.pooled * (1 - keep[:, None]))
+    scale = (1 - sigma) ** 2 if cfg.error_space == "noise" else torch.ones_like(sigma)
+    out = []
+    for m in (model, reference):
+        if m is None:
+            continue
+        err = flow_errors(m, x0, embeds, noise, sigma) * scale
+        out.append((err[:p], err[p:]))
+    return out
+
+
+def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, seed: int, step: int,
+              offset: int, device):
+    """DPO loss of one micro-batch of pairs (see :func:`pair_errors`). Returns (float32 loss, stats)."""
+    (ew, el), = pair_errors(policy.model, codec, pairs, cfg, null, seed, step, offset, device)
     with torch.no_grad(), policy.reference() as ref:
-        ref_err = flow_errors(ref, x0, embeds, noise, sigma)
-    return diffusion_dpo_loss(err[:p], err[p:], ref_err[:p], ref_err[p:], cfg.beta, cfg.loss_type,
-                              pairs.weights.to(device))
+        (rw, rl), = pair_errors(ref, codec, pairs, cfg, null, seed, step, offset, device)
+    return diffusion_dpo_loss(ew, el, rw, rl, cfg.beta, cfg.loss_type, pairs.pref.to(device))
 
 
 @torch.no_grad()
-def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, seed: int, device,
-                      batch: int = 64) -> float:
-    """Share of ``pairs`` whose inside term is > 0 (ties 0.5), with a fixed (noise, sigma) per pair
-    (stream "eval"), so the number is comparable across steps."""
-    total = 0.0
+def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, seed: int,
+                      device, batch: int = 64) -> float:
+    """Share of non-tie ``pairs`` whose inside term is > 0 (== 0 counts 0.5), with a fixed (noise,
+    sigma) per pair (stream "eval"), so the number is comparable across steps."""
+    hits, count = 0.0, 0
     for s in range(0, len(pairs), batch):
         sub = pairs.select(list(range(s, min(len(pairs), s + batch))))
-        x0 = codec.encode(torch.cat([sub.images_w, sub.images_l]).to(device))
-        p = len(sub)
-        noise, sigma, _ = draw_training_noise(x0[:p], seed, 0, range(s, s + p), cfg.flow, stream="eval")
-        noise, sigma = torch.cat([noise, noise]), torch.cat([sigma, sigma])
-        embeds = PromptEmbeds.cat([sub.embeds, sub.embeds]).to(device)
-        err = flow_errors(policy.model, x0, embeds, noise, sigma)
+        (ew, el), = pair_errors(policy.model, codec, sub, cfg, null, seed, 0, s, device, "eval")
         with policy.reference() as ref:
-            ref_err = flow_errors(ref, x0, embeds, noise, sigma)
-        total += diffusion_dpo_loss(err[:p], err[p:], ref_err[:p], ref_err[p:], cfg.beta)[1]["implicit_acc"] * p
-    return total / len(pairs)
+            (rw, rl), = pair_errors(ref, codec, sub, cfg, null, seed, 0, s, device, "eval")
+        inside = dpo_inside_term(ew, el, rw, rl, cfg.beta)
+        strict = sub.pref.to(device) != 0.5
+        hits += float(((inside > 0).float() + 0.5 * (inside == 0).float())[strict].sum())
+        count += int(strict.sum())
+    return hits / count if count else 0.5
 
 
-def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet]:
-    """Train / held-out split of the offline pairs (held-out = every k-th pair)."""
-    if not cfg.offline.path:
-        raise ValueError("offline.path: required when source is 'offline'")
-    w, lo, caps, weights, _ = load_preference_pairs(cfg.offline.path, size, cfg.offline.ties, cfg.offline.limit)
-    embeds = encoder.encode(caps)
-    pairs = PairSet(w.float() / 255, lo.float() / 255, caps, embeds, weights)
-    every = max(2, round(1 / cfg.offline.heldout_fraction)) if cfg.offline.heldout_fraction > 0 else 0
-    held = [i for i in range(len(pairs)) if every and i % every == every - 1]
-    train = [i for i in range(len(pairs)) if i not in set(held)]
-    return pairs.select(train), pairs.select(held or train[:1])
+def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet | None]:
+    """Train / held-out split of the offline pairs by a hash of the caption (pairs sharing a caption
+    stay on one side); held-out is None when ``offline.heldout_fraction`` is 0."""
+    from pretrain.data.emoji import is_heldout
+
+    w, lo, caps, pref, _ = load_preference_pairs(cfg.offline.path, size, cfg.offline.ties, cfg.offline.limit)
+    pairs = PairSet(w.float() / 255, lo.float() / 255, caps, encoder.encode(caps), pref)
+    held = [is_heldout(c, cfg.offline.heldout_fraction) for c in caps]
+    train = [i for i, h in enumerate(held) if not h]
+    if not train:
+        raise ValueError(f"offline.heldout_fraction={cfg.offline.heldout_fraction} leaves no training pair")
+    held_idx = [i for i, h in enumerate(held) if h]
+    return pairs.select(train), (pairs.select(held_idx) if held_idx else None)
 
 
 def train(cfg: DPOConfig) -> Path:
@@ -191,9 +224,14 @@ def train(cfg: DPOConfig) -> Path:
     logger.write(f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable; source {cfg.source}; "
                  f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
                  f"{cfg.train.grad_accum} per step" + (f"; resumed from {resumed}" if resumed else ""))
-    if cfg.source == "offline":
-        logger.log(rt.step, {"heldout_implicit_acc": implicit_accuracy(policy, codec, held_pairs, cfg.dpo, seed, device)},
-                   advance=False)
+
+    def heldout_acc() -> dict:
+        if cfg.source != "offline" or held_pairs is None:
+            return {}
+        return {"heldout_implicit_acc": implicit_accuracy(policy, codec, held_pairs, cfg.dpo, null, seed, device)}
+
+    if rt.step == 0 and cfg.source == "offline":
+        logger.log(rt.step, heldout_acc(), advance=False)
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
     if cfg.source == "online":
         pairs = None
@@ -202,18 +240,23 @@ def train(cfg: DPOConfig) -> Path:
         if cfg.source == "online" and (pairs is None or step % on.resample_every == 0):
             model.eval()
             with rt.autocast():
-                pairs, metrics = online_pairs(model, codec, train_set, prompts.next(on.prompts_per_round),
+                fresh, metrics = online_pairs(model, codec, train_set, prompts.next(on.prompts_per_round),
                                               on.samples_per_prompt, rewards, null, on.num_inference_steps,
                                               on.guidance_scale, meta["sampling"]["shift"], on.margin, seed,
                                               step // on.resample_every, device)
-            if pairs is None:
+            if fresh is not None:
+                pairs = fresh
+                pair_sampler = EpochSampler(len(pairs), seed + step)
+            elif pairs is None:
                 raise ValueError(f"step {step}: no prompt had a reward gap above online.margin={on.margin}")
-            pair_sampler = EpochSampler(len(pairs), seed + step)
+            else:
+                logger.write(f"step {step}: no reward gap above online.margin={on.margin} in this round "
+                             f"(all samples scored alike); keeping the previous round's pairs")
         model.train()
         loss_sum, stats_sum = 0.0, {}
         for micro in range(accum):
             with rt.autocast():
-                loss, stats = pair_loss(policy, codec, pairs.select(pair_sampler.next(b)), cfg.dpo, seed, step,
+                loss, stats = pair_loss(policy, codec, pairs.select(pair_sampler.next(b)), cfg.dpo, null, seed, step,
                                         micro * b, device)
             rt.backward(loss)
             loss_sum += loss.item() / accum
@@ -222,7 +265,7 @@ def train(cfg: DPOConfig) -> Path:
         metrics.update({"loss": loss_sum, **stats_sum, **rt.optimizer_step(loss_sum)})
         done = rt.step == cfg.train.steps
         if cfg.source == "offline" and (done or (cfg.eval.every and rt.step % cfg.eval.every == 0)):
-            metrics["heldout_implicit_acc"] = implicit_accuracy(policy, codec, held_pairs, cfg.dpo, seed, device)
+            metrics.update(heldout_acc())
         logger.log(rt.step, metrics)
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()

@@ -3,8 +3,8 @@
 Pick-a-Pic schema (Kirstain et al. 2023): ``caption``, ``jpg_0``, ``jpg_1`` (encoded image bytes, or
 a path relative to the data file), ``label_0`` (1: jpg_0 preferred, 0: jpg_1 preferred, 0.5: tie).
 Read from a local parquet file, a jsonl file, or a folder holding ``pairs.jsonl`` (or ``*.parquet``)
-with Hugging Face ``datasets``. A malformed row is skipped and counted; ties are dropped or kept at
-weight 0.5 by config.
+with Hugging Face ``datasets``. A malformed row is skipped and counted; ties are dropped or kept with
+preference probability 0.5 (a symmetric loss) by config.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class PairSet:
     """``images_w`` / ``images_l``: float32 ``[P, 3, H, W]`` in [0, 1] (winner, loser); ``captions``;
-    ``embeds`` ``[P, ...]``; ``weights`` float32 ``[P]`` (0.5 for kept ties)."""
+    ``embeds`` ``[P, ...]``; ``pref`` float32 ``[P]``: probability that ``images_w`` is preferred
+    (1, or 0.5 for a kept tie)."""
 
     images_w: torch.Tensor
     images_l: torch.Tensor
     captions: list[str]
     embeds: PromptEmbeds
-    weights: torch.Tensor
+    pref: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.captions)
@@ -41,7 +42,7 @@ class PairSet:
     def select(self, idx: list[int]) -> "PairSet":
         t = torch.as_tensor(idx, dtype=torch.long)
         return PairSet(self.images_w[t], self.images_l[t], [self.captions[i] for i in idx], self.embeds[t],
-                       self.weights[t])
+                       self.pref[t])
 
 
 def _decode(value, root: Path, size: int) -> np.ndarray:
@@ -73,7 +74,8 @@ def _data_files(path: Path) -> tuple[str, list[str]]:
 def load_preference_pairs(path: str | Path, size: int, ties: str = "drop", limit: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor, dict[str, list[str]]]:
     """Read Pick-a-Pic-schema pairs. Returns (winners uint8 ``[P, 3, size, size]``, losers, captions,
-    weights ``[P]``, skipped {reason: [row ids]}). ``ties``: "drop" or "half". Raises
+    preference probabilities ``[P]`` (1, or 0.5 for ties), skipped {reason: [row ids]}). ``ties``:
+    "drop" or "half" (keep with probability 0.5). Raises
     ``DatasetError`` naming the file if nothing usable remains."""
     from datasets import load_dataset
 

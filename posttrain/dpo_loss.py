@@ -7,8 +7,10 @@ timestep and prompt embedding:
     inside = -0.5 * beta * [(e_w - e_w,ref) - (e_l - e_l,ref)]
 
 ``sigmoid`` (DPO): -log sigmoid(inside); ``hinge`` (SLiC, Zhao et al. 2023): max(0, 1 - inside);
-``ipo`` (Azar et al. 2023, eq. 17 with tau = 1 / beta, scaled by beta^2): (inside - 1/2)^2.
-Losses are averaged over pairs with optional per-pair weights (ties at 0.5).
+``ipo`` (Azar et al. 2023, eq. 17: (h - 1/(2 tau))^2 with h = inside / beta and tau = beta, scaled by
+beta^2): (inside - 1/2)^2. A pair with preference probability p (1: w preferred, 0.5: a tie) costs
+p * loss(inside) + (1 - p) * loss(-inside), so a tie pulls neither image ahead; losses are averaged
+over pairs.
 """
 
 from __future__ import annotations
@@ -32,20 +34,23 @@ def dpo_inside_term(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.T
 
 
 def diffusion_dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.Tensor, ref_err_l: torch.Tensor,
-                       beta: float, loss_type: str = "sigmoid", weights: torch.Tensor | None = None
+                       beta: float, loss_type: str = "sigmoid", pref: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, dict]:
-    """Mean pair loss (float32 scalar) and detached stats: implicit accuracy (share of pairs with
-    inside > 0; ties in ``inside`` count 0.5), implicit reward margin (mean inside term), and the mean
-    model-minus-reference error difference for winners and losers. ``ValueError`` for an unknown
-    ``loss_type``."""
+    """Mean pair loss (float32 scalar) and detached stats: implicit accuracy over non-tie pairs (share
+    with inside > 0; inside == 0 counts 0.5; 0.5 when every pair is a tie), implicit reward margin
+    (mean inside term), and the mean model-minus-reference error difference for winners and losers.
+    ``pref``: float ``[P]`` probability that the w image is preferred (default 1). ``ValueError`` for
+    an unknown ``loss_type``."""
     if loss_type not in PAIR_LOSSES:
         raise ValueError(f"dpo.loss_type: unknown '{loss_type}' (known: {sorted(PAIR_LOSSES)})")
     inside = dpo_inside_term(err_w, err_l, ref_err_w, ref_err_l, beta)
-    per = PAIR_LOSSES[loss_type](inside)
-    w = torch.ones_like(per) if weights is None else weights.float()
-    loss = (per * w).sum() / w.sum().clamp(min=1e-12)
+    fn = PAIR_LOSSES[loss_type]
+    p = torch.ones_like(inside) if pref is None else pref.float()
+    loss = (p * fn(inside) + (1 - p) * fn(-inside)).mean()
     with torch.no_grad():
-        acc = ((inside > 0).float() + 0.5 * (inside == 0).float()).mean()
+        strict = p != 0.5
+        hits = (inside > 0).float() + 0.5 * (inside == 0).float()
+        acc = hits[strict].mean() if strict.any() else torch.tensor(0.5)
         stats = {"implicit_acc": float(acc), "reward_margin": float(inside.mean()),
                  "err_diff_w": float((err_w - ref_err_w).mean()), "err_diff_l": float((err_l - ref_err_l).mean())}
     return loss, stats

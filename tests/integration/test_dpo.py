@@ -112,10 +112,37 @@ def test_offline_dpo_raises_heldout_implicit_accuracy(tiny_export, tmp_path, cap
     recs = [r for r in read_metrics(tmp_path / "dpo/metrics.jsonl") if "heldout_implicit_acc" in r]
     first, last = recs[0]["heldout_implicit_acc"], recs[-1]["heldout_implicit_acc"]
     with capsys.disabled():
-        print(f"\noffline DPO held-out implicit accuracy (40 pairs): {first:.3f} -> {last:.3f}")
+        print(f"\noffline DPO held-out implicit accuracy: {first:.3f} -> {last:.3f}")
     assert first == 0.5  # policy == reference: every inside term is 0, a tie
     assert last >= 0.75
     assert (export / "posttrain.json").is_file() and (tmp_path / "dpo/lora/pytorch_lora_weights.safetensors").is_file()
+
+
+def test_winner_equal_to_loser_gives_zero_inside_term(tiny_export, tmp_path):
+    """Winner and loser share noise, sigma and prompt: identical images give inside == 0 exactly,
+    even for a policy that differs from its reference."""
+    from posttrain.dpo import DPOLossConfig, pair_errors
+    from posttrain.dpo_data import PairSet
+    from posttrain.dpo_loss import dpo_inside_term
+    from posttrain.policy import PolicyConfig
+    from pretrain.export import load_exported
+
+    model, encoder, codec, _ = load_exported(tiny_export)
+    policy = Policy(model, PolicyConfig(lora_rank=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    imgs = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    caps = ["a", "b", "c", "d"]
+    pairs = PairSet(imgs, imgs.clone(), caps, encoder.encode(caps), torch.ones(4))
+    null = encoder.encode([""])
+    with torch.no_grad():
+        (ew, el), = pair_errors(model, codec, pairs, DPOLossConfig(), null, 0, 3, 0, "cpu")
+        with policy.reference() as ref:
+            (rw, rl), = pair_errors(ref, codec, pairs, DPOLossConfig(), null, 0, 3, 0, "cpu")
+    assert not torch.equal(ew, rw)  # the policy differs from the reference
+    assert torch.equal(dpo_inside_term(ew, el, rw, rl, 750.0), torch.zeros(4))
 
 
 def test_malformed_rows_are_skipped_and_ties_configurable(tmp_path, caplog):
@@ -125,15 +152,15 @@ def test_malformed_rows_are_skipped_and_ties_configurable(tmp_path, caplog):
     rows.append({"caption": "", "jpg_0": rows[0]["jpg_0"], "jpg_1": rows[0]["jpg_1"], "label_0": 1.0})
     rows.append({"caption": "a tie", "jpg_0": rows[0]["jpg_0"], "jpg_1": rows[0]["jpg_1"], "label_0": 0.5})
     _write_parquet(rows, tmp_path / "p.parquet")
-    w, lo, caps, weights, skipped = load_preference_pairs(tmp_path / "p.parquet", 16, ties="drop")
-    assert len(caps) == 2 and weights.tolist() == [1.0, 1.0]
+    w, lo, caps, pref, skipped = load_preference_pairs(tmp_path / "p.parquet", 16, ties="drop")
+    assert len(caps) == 2 and pref.tolist() == [1.0, 1.0]
     assert skipped == {"missing or unreadable image": ["row 1"], "label_0 not in {0, 0.5, 1}": ["row 2"],
                        "empty caption": ["row 4"], "tie (offline.ties=drop)": ["row 5"]}
     assert "unreadable" in caplog.text
     # winners are the clean emoji (lighter than their inverted copies on a white background)
     assert (w.float().mean(dim=(1, 2, 3)) > lo.float().mean(dim=(1, 2, 3))).all()
-    _, _, caps, weights, _ = load_preference_pairs(tmp_path / "p.parquet", 16, ties="half")
-    assert caps[-1] == "a tie" and weights[-1].item() == 0.5
+    _, _, caps, pref, _ = load_preference_pairs(tmp_path / "p.parquet", 16, ties="half")
+    assert caps[-1] == "a tie" and pref[-1].item() == 0.5
     # jsonl with image paths relative to the file
     (tmp_path / "a.png").write_bytes(rows[0]["jpg_0"])
     (tmp_path / "b.png").write_bytes(rows[0]["jpg_1"])

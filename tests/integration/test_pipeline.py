@@ -13,7 +13,7 @@ def test_pipeline_chains_stages_and_evaluates(tmp_path, capsys):
         "stages": [
             {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml"),
              "overrides": ["train.steps=10", "eval.every=0"]},
-            {"command": "dpo", "config": str(ROOT / "configs/dpo/emoji_tiny.yaml"), "overrides": ["train.steps=2"]},
+            {"command": "dpo", "config": str(ROOT / "configs/dpo/emoji_tiny.yaml"), "overrides": ["train.steps=2", "online.resample_every=2", "checkpoint.every=2"]},
             {"command": "grpo", "config": str(ROOT / "configs/grpo/emoji_tiny.yaml"), "overrides": ["train.steps=1"]},
         ],
         "eval": {"num_prompts": 8, "num_inference_steps": 4, "guard_samples": 16, "grid_prompts": 4},

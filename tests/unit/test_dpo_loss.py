@@ -30,18 +30,47 @@ def test_policy_equal_to_reference_gives_log2_and_half_accuracy():
     assert stats["implicit_acc"] == 0.5  # inside == 0: ties count 0.5
 
 
-def test_alternative_losses_and_weights():
+def test_alternative_losses_by_hand():
     ew, el, rw, rl = torch.tensor([0.1]), torch.tensor([0.2]), torch.tensor([0.2]), torch.tensor([0.2])
     # inside = -0.5 * 10 * (-0.1 - 0) = 0.5
     assert diffusion_dpo_loss(ew, el, rw, rl, 10.0, "hinge")[0].item() == pytest.approx(0.5)
     assert diffusion_dpo_loss(ew, el, rw, rl, 10.0, "ipo")[0].item() == pytest.approx(0.0, abs=1e-12)
-    loss, _ = diffusion_dpo_loss(torch.tensor([0.1, 0.1]), torch.tensor([0.2, 0.1]), torch.tensor([0.2, 0.1]),
-                                 torch.tensor([0.2, 0.1]), 10.0, weights=torch.tensor([1.0, 0.5]))
-    # pair 0: -log sigmoid(0.5); pair 1 (a tie, weight 0.5): log 2
-    expected = (math.log(1 + math.exp(-0.5)) + 0.5 * math.log(2)) / 1.5
-    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    # inside = 2.0: hinge 0, ipo (2 - 0.5)^2 = 2.25; inside = -1: hinge 2, ipo 2.25
+    ew2 = torch.tensor([0.1 - 0.3])
+    assert diffusion_dpo_loss(ew2, el, rw, rl, 10.0, "hinge")[0].item() == pytest.approx(0.0)
+    assert diffusion_dpo_loss(ew2, el, rw, rl, 10.0, "ipo")[0].item() == pytest.approx(2.25, abs=1e-5)
+    ew3 = torch.tensor([0.4])
+    assert diffusion_dpo_loss(ew3, el, rw, rl, 10.0, "hinge")[0].item() == pytest.approx(2.0, abs=1e-6)
+    assert diffusion_dpo_loss(ew3, el, rw, rl, 10.0, "ipo")[0].item() == pytest.approx(2.25, abs=1e-5)
     with pytest.raises(ValueError, match="dpo.loss_type"):
         diffusion_dpo_loss(ew, el, rw, rl, 1.0, "kto")
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+def test_a_tie_is_symmetric(loss_type):
+    ew = torch.tensor([0.1], requires_grad=True)
+    el, rw, rl = torch.tensor([0.3]), torch.tensor([0.2]), torch.tensor([0.2])
+    tie = torch.tensor([0.5])
+    a, stats = diffusion_dpo_loss(ew, el, rw, rl, 10.0, loss_type, pref=tie)
+    b, _ = diffusion_dpo_loss(el, ew, rl, rw, 10.0, loss_type, pref=tie)  # images listed the other way
+    assert a.item() == pytest.approx(b.item(), abs=1e-7)
+    assert stats["implicit_acc"] == 0.5  # ties are not scored
+    # at policy == reference a tie pulls neither way
+    e = torch.tensor([0.2], requires_grad=True)
+    loss, _ = diffusion_dpo_loss(e, torch.tensor([0.3]), torch.tensor([0.2]), torch.tensor([0.3]), 10.0,
+                                 loss_type, pref=tie)
+    loss.backward()
+    assert abs(e.grad.item()) < 1e-6
+
+
+def test_strict_and_tie_pairs_mixed():
+    ew, el = torch.tensor([0.1, 0.1]), torch.tensor([0.2, 0.1])
+    rw, rl = torch.tensor([0.2, 0.1]), torch.tensor([0.2, 0.1])
+    loss, stats = diffusion_dpo_loss(ew, el, rw, rl, 10.0, pref=torch.tensor([1.0, 0.5]))
+    # pair 0: -log sigmoid(0.5); pair 1 (tie, inside 0): 0.5 * (log 2 + log 2)
+    expected = (math.log(1 + math.exp(-0.5)) + math.log(2)) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert stats["implicit_acc"] == 1.0  # only the strict pair is scored
 
 
 def test_eps_prediction_errors_on_a_tiny_unet():
@@ -65,6 +94,6 @@ def test_eps_prediction_errors_on_a_tiny_unet():
         by_hand = (unet(x_t, t, encoder_hidden_states=ehs).sample - noise).square().mean(dim=(1, 2, 3))
     assert err.shape == (4,) and err.dtype == torch.float32
     torch.testing.assert_close(err, by_hand)
-    # the DPO loss consumes them: a policy identical to its reference sits at log 2
-    loss, _ = diffusion_dpo_loss(err[:2], err[2:], err[:2], err[2:], beta=2500.0)
-    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+    # rows 0/2 and 1/3 share noise and timestep: identical images give identical errors
+    same = eps_errors(unet, sched, x0[:2].repeat(2, 1, 1, 1), ehs, noise, t)
+    assert torch.equal(same[:2], same[2:])
