@@ -38,9 +38,15 @@ def _eval(args) -> int:
     from posttrain.evaluate import EvalConfig, evaluate
     from pretrain.runtime.runtime import resolve_device
 
+    from pretrain.config import ConfigError, validate
+
     cfg = EvalConfig(rewards=args.rewards, prompts=args.prompts, num_prompts=args.num_prompts,
                      samples_per_prompt=args.samples_per_prompt, seed=args.seed,
                      num_inference_steps=args.steps, guidance_scale=args.guidance_scale)
+    try:
+        validate(cfg, "--")
+    except ValueError as e:
+        raise ConfigError(f"command line: {e}") from e
     out = args.out or str(Path(args.models[-1]).parent / "eval")
     print(evaluate(args.models, cfg, out, device=resolve_device(args.device))["table"])
     return 0

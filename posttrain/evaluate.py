@@ -40,6 +40,16 @@ class EvalConfig:
     grid_prompts: int = 32
     batch_size: int = 64
 
+    def validate(self, prefix: str = "") -> None:
+        from rewards.base import known_rewards
+
+        unknown = sorted(set(self.rewards) - set(known_rewards()))
+        if not self.rewards or unknown:
+            raise ValueError(f"{prefix}rewards: {unknown or 'empty'}; known: {known_rewards()}")
+        for name in ("num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+
 
 def paired_stats(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float, int]:
     """``base``/``other``: float ``[P, K]`` (prompt x sample). Returns (mean paired difference, its

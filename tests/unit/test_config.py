@@ -93,3 +93,19 @@ def test_sample_and_eval_reject_non_positive_counts(capsys, tmp_path):
 def test_unknown_preset_is_a_clear_error(capsys):
     code, err = run_cli(capsys, "pretrain", TINY, "model.preset=huge")
     assert code == 2 and "model.preset" in err and "huge" in err
+
+
+def test_pipeline_with_an_unknown_eval_reward_fails_before_training(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp_path), "eval": {"rewards": ["nope"]},
+                                    "stages": [{"command": "pretrain", "config": TINY}]}))
+    code, err = run_cli(capsys, "pipeline", str(path))
+    assert code == 2 and "eval.rewards" in err
+    assert not (tmp_path / "pretrain").exists()
+
+
+def test_eval_cli_unknown_reward_exits_2(capsys, tmp_path):
+    code, err = run_cli(capsys, "eval", str(tmp_path), "--rewards", "nope")
+    assert code == 2 and "--rewards" in err
