@@ -190,6 +190,23 @@ def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig,
     return hits / count if count else 0.5
 
 
+def dpo_step(policy: Policy, rt: Runtime, codec, pairs: PairSet, sampler: EpochSampler, cfg: DPOConfig,
+             null: PromptEmbeds, step: int, device) -> dict:
+    """One optimizer step over ``train.grad_accum`` micro-batches of ``train.batch_size`` pairs."""
+    b, accum = cfg.train.batch_size, cfg.train.grad_accum
+    policy.model.train()
+    loss_sum, stats_sum = 0.0, {}
+    for micro in range(accum):
+        with rt.autocast():
+            loss, stats = pair_loss(policy, codec, pairs.select(sampler.next(b)), cfg.dpo, null, cfg.train.seed,
+                                    step, micro * b, device)
+        rt.backward(loss)
+        loss_sum += loss.item() / accum
+        for k, v in stats.items():
+            stats_sum[k] = stats_sum.get(k, 0.0) + v / accum
+    return {"loss": loss_sum, **stats_sum, **rt.optimizer_step(loss_sum)}
+
+
 def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet | None]:
     """Train / held-out split of the offline pairs by a hash of the caption (pairs sharing a caption
     stay on one side); held-out is None when ``offline.heldout_fraction`` is 0."""
@@ -232,7 +249,6 @@ def train(cfg: DPOConfig) -> Path:
 
     if rt.step == 0 and cfg.source == "offline":
         logger.log(rt.step, heldout_acc(), advance=False)
-    b, accum = cfg.train.batch_size, cfg.train.grad_accum
     if cfg.source == "online":
         pairs = None
     while rt.step < cfg.train.steps:
@@ -252,17 +268,7 @@ def train(cfg: DPOConfig) -> Path:
             else:
                 logger.write(f"step {step}: no reward gap above online.margin={on.margin} in this round "
                              f"(all samples scored alike); keeping the previous round's pairs")
-        model.train()
-        loss_sum, stats_sum = 0.0, {}
-        for micro in range(accum):
-            with rt.autocast():
-                loss, stats = pair_loss(policy, codec, pairs.select(pair_sampler.next(b)), cfg.dpo, null, seed, step,
-                                        micro * b, device)
-            rt.backward(loss)
-            loss_sum += loss.item() / accum
-            for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + v / accum
-        metrics.update({"loss": loss_sum, **stats_sum, **rt.optimizer_step(loss_sum)})
+        metrics.update(dpo_step(policy, rt, codec, pairs, pair_sampler, cfg, null, step, device))
         done = rt.step == cfg.train.steps
         if cfg.source == "offline" and (done or (cfg.eval.every and rt.step % cfg.eval.every == 0)):
             metrics.update(heldout_acc())
