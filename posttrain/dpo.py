@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from pretrain.config import require_positive
+
 from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
 from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
@@ -20,12 +22,13 @@ from posttrain.policy import Policy, PolicyConfig
 from posttrain.stage import PolicyStage
 from pretrain.data.dataset import DataConfig, EpochSampler
 from pretrain.models import ModelConfig, count_parameters
+from pretrain.guidance import drop_condition
 from pretrain.objective import FlowConfig, draw_training_noise
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.runtime import Runtime
 from pretrain.text_encoder import PromptEmbeds
-from rewards.base import CompositeReward
+from rewards.base import CompositeReward, check_reward_weights
 
 
 @dataclass
@@ -86,9 +89,7 @@ class OnlineConfig:
     guidance_scale: float = 4.0
 
     def validate(self, prefix: str = "") -> None:
-        for name in ("prompts_per_round", "resample_every", "num_inference_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        require_positive(self, prefix, "prompts_per_round", "resample_every", "num_inference_steps")
         if self.samples_per_prompt < 2:
             raise ValueError(f"{prefix}samples_per_prompt: must be >= 2 to form a pair")
         if self.margin < 0:
@@ -124,8 +125,6 @@ class DPOConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self, prefix: str = "") -> None:
-        from posttrain.grpo import check_rewards
-
         if not self.model.pretrained:
             raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
         if self.source not in ("online", "offline"):
@@ -133,7 +132,7 @@ class DPOConfig:
         if self.source == "offline" and not self.offline.path:
             raise ValueError("offline.path: required when source is 'offline'")
         if self.source == "online":
-            check_rewards(self.rewards)
+            check_reward_weights(self.rewards)
             for key, value in (("checkpoint.every", self.checkpoint.every), ("train.steps", self.train.steps)):
                 if value % self.online.resample_every:
                     raise ValueError(f"{key}: must be a multiple of online.resample_every (pairs are re-sampled "
@@ -149,10 +148,7 @@ def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEm
     x0 = codec.encode(torch.cat([pairs.images_w, pairs.images_l]).to(device))
     noise, sigma, drop = draw_training_noise(x0[:p], seed, step, range(offset, offset + p), cfg.flow, stream=stream)
     noise, sigma, drop = torch.cat([noise, noise]), torch.cat([sigma, sigma]), torch.cat([drop, drop])
-    embeds = PromptEmbeds.cat([pairs.embeds, pairs.embeds]).to(device)
-    keep = (~drop).float()
-    embeds = PromptEmbeds(embeds.tokens * keep[:, None, None] + null.tokens * (1 - keep[:, None, None]),
-                          embeds.pooled * keep[:, None] + null.pooled * (1 - keep[:, None]))
+    embeds = drop_condition(PromptEmbeds.cat([pairs.embeds, pairs.embeds]).to(device), null, drop)
     scale = (1 - sigma) ** 2 if cfg.error_space == "noise" else torch.ones_like(sigma)
     out = []
     for m in (model, reference):
@@ -276,7 +272,8 @@ def train(cfg: DPOConfig) -> Path:
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()
     final = rt.sampling_model().eval()
-    logger.write(f"grid: {st.grid(final, cfg.eval, seed, meta['sampling']['shift'], f'heldout_step_{rt.step:06d}.png')}")
+    grid = st.grid(final, cfg.eval, seed, meta["sampling"]["shift"], f"heldout_step_{rt.step:06d}.png")
+    logger.write(f"grid: {grid}")
     out = st.finish(final)
     logger.write(f"exported {out}")
     logger.close()

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
+from pretrain.config import require_positive
+
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.evaluation import heldout_loss
 from pretrain.export import load_exported
 from pretrain.objective import FlowConfig
 from pretrain.sampling import initial_noise, sample_latents, save_grid
-from rewards.base import build_reward
+from rewards.base import build_reward, check_reward_weights
 
 
 @dataclass
@@ -41,14 +43,8 @@ class EvalConfig:
     batch_size: int = 64
 
     def validate(self, prefix: str = "") -> None:
-        from rewards.base import known_rewards
-
-        unknown = sorted(set(self.rewards) - set(known_rewards()))
-        if not self.rewards or unknown:
-            raise ValueError(f"{prefix}rewards: {unknown or 'empty'}; known: {known_rewards()}")
-        for name in ("num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        check_reward_weights({name: 1.0 for name in self.rewards}, f"{prefix}rewards")
+        require_positive(self, prefix, "num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size")
 
 
 def paired_stats(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float, int]:

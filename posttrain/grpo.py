@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from pretrain.config import require_positive
+
 from posttrain.advantages import group_advantages
 from posttrain.grpo_update import GRPOLossConfig, grpo_update
 from posttrain.policy import PolicyConfig
@@ -23,7 +25,7 @@ from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.runtime import Runtime
 from pretrain.schedule import sigma_schedule
 from pretrain.seeding import generator_for
-from rewards.base import CompositeReward
+from rewards.base import CompositeReward, check_reward_weights
 from rollout.collect import collect_rollouts
 from rollout.trajectory import train_timesteps
 
@@ -47,9 +49,7 @@ class RolloutConfig:
     timestep_selection: str = "first"
 
     def validate(self, prefix: str = "") -> None:
-        for name in ("num_inference_steps", "prompts_per_step", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
         if self.group_size < 2:
             raise ValueError(f"{prefix}group_size: must be >= 2 (group advantages of one sample are 0)")
         if self.noise_level <= 0:
@@ -74,7 +74,8 @@ class GRPOEvalConfig:
 @dataclass
 class GRPOConfig:
     """`posttrain grpo` config. ``model.pretrained``: an export folder (from `posttrain pretrain` or a
-    previous stage); the other ``model`` fields and ``data.size`` are taken from the export. ``train.steps``: iterations; ``train.batch_size``: training mini-batch (samples);
+    previous stage); the other ``model`` fields and ``data.size`` are taken from the export.
+    ``train.steps``: iterations; ``train.batch_size``: training mini-batch (samples);
     ``train.grad_accum``: mini-batches per optimizer step; ``checkpoint.every`` counts iterations (the
     folders are named by optimizer step). ``rewards``: ``{name: weight}`` (required; dict values from
     the command line merge into the file's, so switch a reward off with weight 0).
@@ -98,7 +99,7 @@ class GRPOConfig:
             raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
         if self.grpo.inner_epochs < 1:
             raise ValueError("grpo.inner_epochs: must be >= 1")
-        check_rewards(self.rewards)
+        check_reward_weights(self.rewards)
         iteration_shape(self)
 
 
@@ -144,18 +145,6 @@ def reward_stats(total: torch.Tensor, raw: dict[str, torch.Tensor]) -> dict:
         out[f"reward/{name}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
         out[f"reward/{name}_std"] = float(finite.std(unbiased=False)) if finite.numel() else float("nan")
     return out
-
-
-def check_rewards(weights: dict[str, float]) -> None:
-    """``ValueError`` naming ``rewards`` when empty or naming an unknown reward."""
-    from rewards.base import known_rewards
-
-    if not any(w != 0 for w in weights.values()):
-        raise ValueError("rewards: at least one reward with a non-zero weight is required, "
-                         "e.g. {jpeg_compressibility: 1.0}")
-    unknown = sorted(set(weights) - set(known_rewards()))
-    if unknown:
-        raise ValueError(f"rewards: unknown reward(s) {unknown}; known: {known_rewards()}")
 
 
 def train(cfg: GRPOConfig) -> Path:

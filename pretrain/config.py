@@ -75,6 +75,13 @@ def validate(obj, prefix: str = "") -> None:
         check(prefix)
 
 
+def require_positive(cfg, prefix: str, *names: str) -> None:
+    """``ValueError`` naming ``prefix + name`` for the first of ``names`` whose value is below 1."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(cfg, name)}")
+
+
 def save_config(cfg, path: str | Path) -> None:
     """Write the resolved config as YAML."""
     Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

@@ -9,6 +9,7 @@ import torch
 from pretrain.flow import flow_matching_loss, interpolate
 from pretrain.schedule import sample_training_sigmas
 from pretrain.seeding import generator_for
+from pretrain.guidance import drop_condition
 from pretrain.text_encoder import PromptEmbeds
 
 
@@ -38,10 +39,6 @@ def pretrain_loss(model, x0: torch.Tensor, embeds: PromptEmbeds, null_embeds: Pr
                   noise: torch.Tensor, sigma: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
     """Mean rectified-flow loss (float32 scalar) of ``model(x_sigma, sigma, embeds) -> v`` on latents
     ``x0 [B, C, h, w]``; samples with ``drop`` use ``null_embeds`` (``[1, ...]``)."""
-    b = x0.shape[0]
-    keep = (~drop).float()
-    tokens = embeds.tokens * keep[:, None, None] + null_embeds.tokens.expand(b, -1, -1) * (1 - keep[:, None, None])
-    pooled = embeds.pooled * keep[:, None] + null_embeds.pooled.expand(b, -1) * (1 - keep[:, None])
     x_t = interpolate(x0, noise, sigma)
-    v = model(x_t, sigma, PromptEmbeds(tokens, pooled))
+    v = model(x_t, sigma, drop_condition(embeds, null_embeds, drop))
     return flow_matching_loss(v, x0, noise).mean()

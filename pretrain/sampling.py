@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain.flow import cfg_combine, euler_sample
+from pretrain.flow import euler_sample
+from pretrain.guidance import guided_velocity
 from pretrain.schedule import sigma_schedule
 from pretrain.seeding import randn_per_sample
 from pretrain.text_encoder import PromptEmbeds
@@ -27,19 +28,8 @@ def sample_latents(model, embeds: PromptEmbeds, null_embeds: PromptEmbeds, noise
     ``model(x, sigma [B], embeds) -> v``. One batched forward of 2B samples per step when
     ``guidance_scale != 1``. Returns latents like ``noise``."""
     sigmas = sigma_schedule(num_inference_steps, shift)
-    b = noise.shape[0]
-    device = noise.device
-    cond = embeds.to(device)
-    if guidance_scale == 1.0:
-        return euler_sample(lambda x, s: model(x, s, cond), noise, sigmas)
-    null = PromptEmbeds(null_embeds.tokens.expand(b, -1, -1), null_embeds.pooled.expand(b, -1)).to(device)
-    both = PromptEmbeds.cat([cond, null])
-
-    def velocity(x, s):
-        v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([s, s]), both).chunk(2)
-        return cfg_combine(v_cond, v_uncond, guidance_scale)
-
-    return euler_sample(velocity, noise, sigmas)
+    cond, null = embeds.to(noise.device), null_embeds.to(noise.device)
+    return euler_sample(lambda x, s: guided_velocity(model, x, s, cond, null, guidance_scale), noise, sigmas)
 
 
 def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols: int = 8, scale: int = 3) -> Path:

@@ -39,6 +39,17 @@ def known_rewards() -> list[str]:
     return sorted(REGISTRY)
 
 
+def check_reward_weights(weights: dict[str, float], key: str = "rewards") -> None:
+    """``ValueError`` naming ``key`` unless some reward has a non-zero weight and every name is
+    registered."""
+    if not any(w != 0 for w in weights.values()):
+        raise ValueError(f"{key}: at least one reward with a non-zero weight is required, "
+                         f"e.g. {{jpeg_compressibility: 1.0}}")
+    unknown = sorted(set(weights) - set(known_rewards()))
+    if unknown:
+        raise ValueError(f"{key}: unknown reward(s) {unknown}; known: {known_rewards()}")
+
+
 def build_reward(name: str, **kwargs) -> RewardModel:
     """Instantiate a registered reward; ``ValueError`` naming the known ones if unknown."""
     from rewards import jpeg  # noqa: F401  (registers the built-ins)

@@ -6,7 +6,7 @@ import torch
 
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
-from rollout.guidance import guided_velocity
+from pretrain.guidance import guided_velocity
 from rollout.sde import sde_step
 from rollout.trajectory import Trajectory
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pretrain.config import require_positive
+
 
 @dataclass
 class OptimConfig:
@@ -47,9 +49,7 @@ class RuntimeConfig:
     threads: int | None = None
 
     def validate(self, prefix: str = "") -> None:
-        for name in ("steps", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        require_positive(self, prefix, "steps", "batch_size", "grad_accum")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16")
         if not 0.0 <= self.ema_decay < 1.0:

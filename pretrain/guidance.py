@@ -1,4 +1,5 @@
-"""Classifier-free-guided velocity: the one function rollout and training both call."""
+"""Classifier-free guidance: the guided velocity that ODE sampling, SDE rollout and GRPO training all
+call, and the empty-prompt substitution used for condition dropout."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from pretrain.text_encoder import PromptEmbeds
 def expand_null(null_embeds: PromptEmbeds, b: int) -> PromptEmbeds:
     """The empty-prompt embedding ``[1, ...]`` repeated to ``[b, ...]``."""
     return PromptEmbeds(null_embeds.tokens.expand(b, -1, -1), null_embeds.pooled.expand(b, -1))
+
+
+def drop_condition(embeds: PromptEmbeds, null_embeds: PromptEmbeds, drop: torch.Tensor) -> PromptEmbeds:
+    """``embeds`` ``[B, ...]`` with the rows where ``drop`` (bool ``[B]``) is set replaced by the
+    empty-prompt embedding ``null_embeds`` ``[1, ...]`` (condition dropout for CFG training)."""
+    null = expand_null(null_embeds, embeds.tokens.shape[0])
+    return PromptEmbeds(torch.where(drop[:, None, None], null.tokens, embeds.tokens),
+                        torch.where(drop[:, None], null.pooled, embeds.pooled))
 
 
 def guided_velocity(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds, null_embeds: PromptEmbeds,
@@ -32,5 +41,6 @@ def guided_velocity(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptE
         with torch.no_grad():
             v_uncond = model(x, sigma, null)
     else:
-        v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([embeds, null])).chunk(2)
+        both = PromptEmbeds.cat([embeds, null])
+        v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
     return cfg_combine(v_cond, v_uncond, guidance_scale)
