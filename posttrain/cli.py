@@ -1,6 +1,6 @@
 """The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo CONFIG [key=value ...]`), chain
 stages (`posttrain pipeline CONFIG`), sample (`posttrain sample MODEL ...`), evaluate
-(`posttrain eval MODEL [MODEL ...]`).
+(`posttrain eval MODEL [MODEL ...]`), serve rewards over HTTP (`posttrain serve-reward CONFIG`).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """
@@ -74,6 +74,17 @@ def _sample(args) -> int:
     return 0
 
 
+def _serve_reward(args) -> int:
+    from posttrain.serve_reward import serve
+
+    try:
+        serve(args.config, args.host, args.port)
+    except OSError as e:  # e.g. the port is in use
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -115,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="auto")
     ev.add_argument("--out", default=None)
     ev.set_defaults(func=_eval)
+    sr = sub.add_parser("serve-reward", help="host the rewards of a YAML config over HTTP (POST /score, GET /health)")
+    sr.add_argument("config", help="YAML file with a rewards: block")
+    sr.add_argument("--host", default="127.0.0.1")
+    sr.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed at start)")
+    sr.set_defaults(func=_serve_reward)
     return p
 
 

@@ -1,0 +1,104 @@
+"""JSON over HTTP with bounded retries, and an order-keeping thread pool: the transport of the
+``remote`` and ``served`` rewards (stdlib ``urllib`` only).
+
+Retried: connection errors (refused, reset, DNS), timeouts, HTTP 429 and 5xx, and a 2xx body that is
+not JSON. Not retried: any other HTTP 4xx (a bad request or a wrong model name will not fix itself).
+Attempt k (0-based) that fails waits ``backoff_s * 2**k`` before the next one; after
+``1 + max_retries`` attempts the call raises ``RuntimeError`` naming the URL and the last error.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_ENV_PROXY = urllib.request.build_opener()
+
+
+class Aborted(Exception):
+    """Raised inside a worker when another item of the same batch already failed."""
+
+
+def _opener(url: str):
+    """Loopback URLs bypass any ``http_proxy`` of the environment; other URLs honour it."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return _NO_PROXY if loopback else _ENV_PROXY
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    try:
+        body = e.read(500).decode("utf-8", "replace").strip()
+    except Exception:  # the body is only a hint for the message
+        body = ""
+    return f"HTTP {e.code} {e.reason}" + (f": {body}" if body else "")
+
+
+def post_json(url: str, payload: dict, *, timeout_s: float, max_retries: int, backoff_s: float = 0.5,
+              headers: dict | None = None, abort: threading.Event | None = None) -> dict:
+    """POST ``payload`` as JSON to ``url`` and return the decoded JSON response.
+
+    Raises ``RuntimeError`` (naming ``url``, the attempt count and the last error) after
+    ``1 + max_retries`` failed attempts or at once on a non-retryable HTTP 4xx; ``Aborted`` when
+    ``abort`` is set (another request of the batch failed) before or between attempts."""
+    data = json.dumps(payload, allow_nan=False).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    opener, last = _opener(url), "no attempt made"
+    for attempt in range(1 + max_retries):
+        if abort is not None and abort.is_set():
+            raise Aborted(url)
+        try:
+            req = urllib.request.Request(url, data=data, headers=hdrs, method="POST")
+            with opener.open(req, timeout=timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            last = _error_text(e)
+            if e.code != 429 and 400 <= e.code < 500:
+                raise RuntimeError(f"{url} rejected the request (not retried): {last}") from e
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+            last = f"{type(e).__name__}: {getattr(e, 'reason', None) or e}"
+        if attempt < max_retries:
+            delay = backoff_s * 2 ** attempt
+            if abort is None:
+                time.sleep(delay)
+            elif abort.wait(delay):
+                raise Aborted(url)
+    raise RuntimeError(f"{url} failed after {1 + max_retries} attempt(s) (timeout {timeout_s} s each); "
+                       f"last error: {last}")
+
+
+def map_ordered(fn: Callable[[T, threading.Event], R], items: Sequence[T], max_concurrency: int) -> list[R]:
+    """``[fn(item, abort) for item in items]`` with at most ``max_concurrency`` calls in flight; result
+    ``i`` is ``fn(items[i])`` whatever order the calls finish in. On the first exception, ``abort`` is
+    set, queued items are cancelled, and that exception is re-raised once running calls return."""
+    abort = threading.Event()
+    if max_concurrency <= 1 or len(items) <= 1:
+        return [fn(item, abort) for item in items]
+    results: list = [None] * len(items)
+    with ThreadPoolExecutor(max_workers=min(max_concurrency, len(items))) as pool:
+        futures = {pool.submit(fn, item, abort): i for i, item in enumerate(items)}
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in done if not f.cancelled() and f.exception() is not None]
+        if failed:
+            abort.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            first = min(failed, key=lambda f: futures[f])
+            raise first.exception()
+        for f, i in futures.items():
+            results[i] = f.result()
+    return results
