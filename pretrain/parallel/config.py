@@ -1,0 +1,39 @@
+"""Config of the parallel layout (``parallel:`` block of a run config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.config import require_positive
+from pretrain.parallel.dims import ParallelDims
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees (``dp_shard: -1`` = all ranks left after ``dp_replicate`` and ``sp``), FSDP2 mixed
+    precision (``param_dtype``: the dtype blocks compute in after the all-gather; ``reduce_dtype``: the
+    dtype gradients are reduced in, fp32 by default as torchtitan), per-block activation checkpointing and
+    per-block ``torch.compile``. ``sp`` > 1 turns on Ulysses sequence parallelism (``ulysses.py``)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    sp: int = 1
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def validate(self, prefix: str = "") -> None:
+        require_positive(self, prefix, "dp_replicate", "sp")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise ValueError(f"{prefix}dp_shard: must be >= 1 or -1 (infer), got {self.dp_shard}")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{prefix}{name}: '{getattr(self, name)}' is not one of {', '.join(DTYPES)}")
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.sp)

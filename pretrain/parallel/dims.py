@@ -1,0 +1,127 @@
+"""Parallel degrees and the one named ``DeviceMesh`` built from them (torchtitan's ``ParallelDims``,
+``torchtitan/distributed/parallel_dims.py``).
+
+The mesh is always 3-D, ``("dp_replicate", "dp_shard", "sp")`` (size-1 dimensions included), made by
+unflattening one 1-D world mesh from ``init_device_mesh`` (torchtitan's current recipe), which also
+gives two other views of the same ranks:
+
+- ``"dp"`` = dp_replicate x dp_shard: the data-parallel ranks. Each holds different samples; the data
+  loader / prompt sampler splits by ``dp_rank`` of ``dp_size``.
+- ``"dp_shard_sp"`` = dp_shard x sp: the ranks FSDP2 shards parameters over (HSDP replicates over
+  ``"dp_replicate"``). Sequence-parallel ranks share their samples, so their gradients are summed, not
+  averaged (see ``fsdp.py``).
+
+SP ranks are the innermost dimension, so an SP group is a block of consecutive ranks (one node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "sp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of data replication (HSDP outer dim), data sharding (FSDP), sequence parallelism (Ulysses)
+    and tensor parallelism (reserved: only ``tp=1`` is implemented).
+
+    ``dp_shard=-1`` takes whatever the world size leaves after the other degrees. ``validate`` (called by
+    ``build_mesh``) raises ``ValueError`` naming every degree and the world size when their product
+    differs from it, or when a degree is below 1."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    sp: int = 1
+    tp: int = 1
+
+    def resolved(self, world_size: int) -> ParallelDims:
+        """A copy with ``dp_shard=-1`` replaced by world_size / (dp_replicate * sp * tp), validated."""
+        dims = ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp)
+        for name in ("dp_replicate", "sp", "tp"):
+            if getattr(dims, name) < 1:
+                raise ValueError(f"parallel.{name}: must be >= 1, got {getattr(dims, name)}")
+        if dims.tp != 1:
+            raise ValueError(f"parallel.tp: tensor parallelism is not implemented yet (tp={dims.tp}); use tp=1")
+        others = dims.dp_replicate * dims.sp * dims.tp
+        if dims.dp_shard == -1:
+            if world_size % others:
+                raise ValueError(f"parallel: dp_replicate={dims.dp_replicate} x sp={dims.sp} x tp={dims.tp} = "
+                                 f"{others} does not divide the world size {world_size}, so dp_shard=-1 "
+                                 f"cannot be inferred")
+            dims.dp_shard = world_size // others
+        if dims.dp_shard < 1:
+            raise ValueError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {dims.dp_shard}")
+        if dims.dp_shard * others != world_size:
+            raise ValueError(f"parallel: dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
+                             f"sp={dims.sp} x tp={dims.tp} = {dims.dp_shard * others} != world size {world_size}")
+        return dims
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (number of distinct sample shards)."""
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str = "cpu") -> Mesh:
+        """Validate against the initialised process group's world size and build the mesh (every rank
+        must call this, in the same order relative to other collectives)."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        dims = self.resolved(world)
+        flat = init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
+        return Mesh(
+            dims,
+            device_mesh=flat._unflatten(0, (dims.dp_replicate, dims.dp_shard, dims.sp), MESH_DIMS),
+            dp_mesh=flat._unflatten(0, (dims.dp, dims.sp), ("dp", "sp"))["dp"],
+            shard_mesh=flat._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.sp), ("dp_replicate", "dp_shard_sp")),
+        )
+
+
+@dataclass
+class Mesh:
+    """A validated ``ParallelDims`` with its named ``DeviceMesh`` (``mesh["sp"]`` slices it), the 1-D
+    data-parallel view ``dp_mesh`` and the 2-D (dp_replicate, dp_shard_sp) ``shard_mesh``."""
+
+    dims: ParallelDims
+    device_mesh: DeviceMesh
+    dp_mesh: DeviceMesh
+    shard_mesh: DeviceMesh
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        return self.device_mesh[names]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ``dims.dp`` data shards (SP ranks of one group share it)."""
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.device_mesh["sp"].get_local_rank()
+
+    @property
+    def sp_size(self) -> int:
+        return self.dims.sp
+
+    @property
+    def sp_group(self) -> torch.distributed.ProcessGroup:
+        """The process group of this rank's SP ranks (Ulysses all-to-alls run over it)."""
+        return self.device_mesh["sp"].get_group()
+
+    @property
+    def dp_group(self) -> torch.distributed.ProcessGroup:
+        """The process group of the data-parallel ranks sharing this rank's SP index (reward gathers)."""
+        return self.dp_mesh.get_group()
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` takes: 1-D ``dp_shard_sp`` (FSDP), or 2-D (``dp_replicate``,
+        ``dp_shard_sp``) for HSDP (replicate over the first dimension, shard over the second)."""
+        if self.dims.dp_replicate > 1:
+            return self.shard_mesh
+        return self.shard_mesh["dp_shard_sp"]

@@ -1,0 +1,53 @@
+"""ParallelDims validation and the mesh's ranks on 2 gloo processes."""
+
+import pytest
+
+from pretrain.config import ConfigError, load_config
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.dims import ParallelDims
+from tests.distributed.launch import run_ranks
+
+
+def test_degrees_must_multiply_to_world_size():
+    with pytest.raises(ValueError, match=r"dp_replicate=2 x dp_shard=2 x sp=1 x tp=1 = 4 != world size 2"):
+        ParallelDims(dp_replicate=2, dp_shard=2).resolved(2)
+    with pytest.raises(ValueError, match=r"sp=4 x tp=1 = 4 does not divide the world size 2"):
+        ParallelDims(sp=4).resolved(2)
+    with pytest.raises(ValueError, match="tp"):
+        ParallelDims(tp=2).resolved(2)
+    assert ParallelDims(sp=2).resolved(8) == ParallelDims(1, 4, 2, 1)
+    assert ParallelDims(dp_replicate=2).resolved(8).dp == 8
+
+
+def test_parallel_config_validation(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("dp_shard: 0\n")
+    with pytest.raises(ConfigError, match="dp_shard: must be >= 1 or -1"):
+        load_config(ParallelConfig, path)
+    with pytest.raises(ConfigError, match="param_dtype: 'fp8' is not one of"):
+        load_config(ParallelConfig, None, ["param_dtype=fp8"])
+    assert load_config(ParallelConfig, None, ["sp=2"]).dims() == ParallelDims(1, -1, 2)
+
+
+def _ranks(rank, world):
+    out = {}
+    for name, dims in {"fsdp": ParallelDims(), "sp": ParallelDims(dp_shard=1, sp=2),
+                       "hsdp": ParallelDims(dp_replicate=2, dp_shard=1)}.items():
+        mesh = dims.build_mesh()
+        out[name] = (mesh.dp_rank, mesh.dp_size, mesh.sp_rank, mesh.sp_size, tuple(mesh.fsdp_mesh().shape),
+                     mesh.device_mesh.mesh_dim_names)
+    try:
+        ParallelDims(dp_shard=4).build_mesh()
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_mesh_ranks_on_two_processes():
+    results = run_ranks(_ranks)
+    names = ("dp_replicate", "dp_shard", "sp")
+    for rank, got in enumerate(results):
+        assert got["fsdp"] == (rank, 2, 0, 1, (2,), names)  # data split over both ranks
+        assert got["sp"] == (0, 1, rank, 2, (2,), names)  # one data shard, tokens split, FSDP over both
+        assert got["hsdp"] == (rank, 2, 0, 1, (2, 1), names)  # 2-D mesh: replicate x shard
+        assert got["error"] == "parallel: dp_replicate=1 x dp_shard=4 x sp=1 x tp=1 = 4 != world size 2"
