@@ -2,7 +2,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-DEB_PACKAGES :=
+DEB_PACKAGES := tesseract-ocr fonts-dejavu-core
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 

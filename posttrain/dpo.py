@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ class DPOConfig:
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
     offline: OfflineConfig = field(default_factory=OfflineConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
-    rewards: dict[str, float] = field(default_factory=dict)
+    rewards: dict[str, Any] = field(default_factory=dict)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -1,16 +1,28 @@
-"""The reward-model protocol, the registry, and weighted composition.
+"""The reward-model protocol, the registry, reward specs, and weighted composition.
 
 Protocol: ``reward(images, prompts, metadata) -> Tensor[B]`` float32, where ``images`` is
 float32 ``[B, 3, H, W]`` in [0, 1] (videos ``[B, F, 3, H, W]``); NaN means "not applicable to this
 sample". Any conversion (PIL, resizing, a model's normalisation) happens inside the reward, once.
 This package imports nothing else of the project.
+
+Config form (``rewards:``): each entry is ``name: weight`` or ``name: {weight: w, <parameters>}``;
+``name`` is a registered reward or an import path ``pkg.module:attr`` (see ``resolve_factory``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import importlib
+import inspect
+import pkgutil
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
+
+from rewards.specs import RewardSpec, check_import_path, is_import_path, parse_reward_spec, parse_reward_specs
+
+__all__ = ["RewardModel", "RewardSpec", "REGISTRY", "register", "known_rewards", "check_reward_weights",
+           "build_reward", "build_from_spec", "resolve_factory", "parse_reward_spec", "parse_reward_specs", "weighted_sum",
+           "CompositeReward", "builtin_modules"]
 
 
 class RewardModel(Protocol):
@@ -18,6 +30,15 @@ class RewardModel(Protocol):
 
 
 REGISTRY: dict[str, Callable[..., RewardModel]] = {}
+
+
+def builtin_modules() -> list[str]:
+    """Every module of the ``rewards`` package (importing one registers the rewards it defines; each
+    imports its heavy dependencies lazily, inside the reward's constructor). A new built-in reward is
+    one file here with ``@register``; nothing else needs editing."""
+    import rewards
+
+    return sorted(m.name for m in pkgutil.iter_modules(rewards.__path__) if not m.name.startswith("_"))
 
 
 def register(name: str):
@@ -32,31 +53,108 @@ def register(name: str):
     return wrap
 
 
-def known_rewards() -> list[str]:
-    """Names of the registered rewards (built-ins included)."""
-    from rewards import jpeg  # noqa: F401  (registers the built-ins)
+def _load_builtins() -> None:
+    for module in builtin_modules():
+        importlib.import_module(f"rewards.{module}")
 
+
+def known_rewards() -> list[str]:
+    """Names of the registered rewards (built-ins included). Import paths are not listed; they are
+    known when importable (``check_reward_weights`` imports them)."""
+    _load_builtins()
     return sorted(REGISTRY)
 
 
-def check_reward_weights(weights: dict[str, float], key: str = "rewards") -> None:
-    """``ValueError`` naming ``key`` unless some reward has a non-zero weight and every name is
-    registered."""
-    if not any(w != 0 for w in weights.values()):
+def resolve_factory(name: str, key: str = "rewards") -> Callable:
+    """The object behind a reward name: the registry entry, or for ``pkg.module:attr`` (``attr`` may be
+    dotted) the imported attribute. ``ValueError`` naming ``key.name`` for an unknown name, a module
+    that fails to import, or a missing attribute."""
+    if not is_import_path(name):
+        _load_builtins()
+        if name not in REGISTRY:
+            raise ValueError(f"{key}: unknown reward(s) ['{name}']; known: {sorted(REGISTRY)} "
+                             f"or an import path 'pkg.module:attr'")
+        return REGISTRY[name]
+    module_name, attr = check_import_path(name, key)
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or any error raised while the user's module runs
+        raise ValueError(f"{key}.{name}: cannot import module '{module_name}': {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{key}.{name}: module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{key}.{name}: '{attr}' is not callable")
+    return obj
+
+
+def _is_reward_function(obj) -> bool:
+    """A plain function (not a class) whose first parameter is named ``images`` is a reward itself."""
+    if inspect.isclass(obj):
+        return False
+    try:
+        params = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0] == "images"
+
+
+def _check_params(obj, params: dict, key: str) -> None:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    try:
+        if _is_reward_function(obj):
+            sig.bind_partial(None, None, None, **params)
+        else:
+            sig.bind(**params)
+    except TypeError as e:
+        raise ValueError(f"{key}: bad parameters {sorted(params)} for {getattr(obj, '__name__', obj)}{sig}: "
+                         f"{e}") from e
+
+
+def build_reward(name: str, **params) -> RewardModel:
+    """Instantiate reward ``name`` (registered or ``pkg.module:attr``) with ``params``.
+
+    A class is a factory, instantiated with ``params``; a function whose first parameter is named
+    ``images`` is the reward itself (``params`` bound as keyword arguments); any other callable is a
+    factory called with ``params`` that must return a reward. ``ValueError`` naming ``rewards.name``
+    for an unknown name, an import error, a missing attribute or parameters the factory does not
+    accept."""
+    return build_from_spec(RewardSpec(name, 1.0, params))
+
+
+def build_from_spec(spec: RewardSpec, key: str = "rewards") -> RewardModel:
+    """``build_reward`` for a parsed spec; errors name ``key.<spec.name>``."""
+    name, params = spec.name, spec.params
+    factory = resolve_factory(name, key)
+    _check_params(factory, params, f"{key}.{name}")
+    if _is_reward_function(factory):
+        if not params:
+            return factory
+        return lambda images, prompts=None, metadata=None: factory(images, prompts, metadata, **params)
+    model = factory(**params)
+    if not callable(model):
+        raise ValueError(f"{key}.{name}: the factory returned {type(model).__name__}, not a reward callable")
+    return model
+
+
+def check_reward_weights(weights: Mapping[str, Any], key: str = "rewards") -> None:
+    """``ValueError`` naming ``key`` unless every entry parses (``name: weight`` or
+    ``name: {weight: w, <params>}``), some reward has a non-zero weight, every name is registered or
+    importable, and each factory accepts its parameters. Nothing is instantiated."""
+    specs = parse_reward_specs(weights, key)
+    if not any(s.weight != 0 for s in specs.values()):
         raise ValueError(f"{key}: at least one reward with a non-zero weight is required, "
                          f"e.g. {{jpeg_compressibility: 1.0}}")
-    unknown = sorted(set(weights) - set(known_rewards()))
+    unknown = sorted(n for n in specs if not is_import_path(n) and n not in known_rewards())
     if unknown:
-        raise ValueError(f"{key}: unknown reward(s) {unknown}; known: {known_rewards()}")
-
-
-def build_reward(name: str, **kwargs) -> RewardModel:
-    """Instantiate a registered reward; ``ValueError`` naming the known ones if unknown."""
-    from rewards import jpeg  # noqa: F401  (registers the built-ins)
-
-    if name not in REGISTRY:
-        raise ValueError(f"unknown reward '{name}'; known: {sorted(REGISTRY)}")
-    return REGISTRY[name](**kwargs)
+        raise ValueError(f"{key}: unknown reward(s) {unknown}; known: {known_rewards()} "
+                         f"or an import path 'pkg.module:attr'")
+    for spec in specs.values():
+        _check_params(resolve_factory(spec.name, key), spec.params, f"{key}.{spec.name}")
 
 
 def weighted_sum(per_reward: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
@@ -75,15 +173,17 @@ def weighted_sum(per_reward: dict[str, torch.Tensor], weights: dict[str, float])
 
 
 class CompositeReward:
-    """``{name: weight}`` -> one callable returning (weighted sum ``[B]``, ``{name: raw [B]}``).
-    Rewards with weight 0 are not built (a config override can switch one off)."""
+    """A ``rewards:`` config (``{name: weight}`` or ``{name: {weight: w, <params>}}``) -> one callable
+    returning (weighted sum float32 ``[B]``, ``{name: raw float32 [B]}``). Rewards with weight 0 are not
+    built (a config override can switch one off). ``ValueError`` as ``check_reward_weights``."""
 
-    def __init__(self, weights: dict[str, float]):
-        weights = {name: w for name, w in weights.items() if w != 0}
-        if not weights:
-            raise ValueError("rewards: at least one reward is required, e.g. {jpeg_compressibility: 1.0}")
-        self.weights = dict(weights)
-        self.models = {name: build_reward(name) for name in self.weights}
+    def __init__(self, weights: Mapping[str, Any], key: str = "rewards"):
+        specs = {n: s for n, s in parse_reward_specs(weights, key).items() if s.weight != 0}
+        if not specs:
+            raise ValueError(f"{key}: at least one reward is required, e.g. {{jpeg_compressibility: 1.0}}")
+        self.specs = specs
+        self.weights = {n: s.weight for n, s in specs.items()}
+        self.models = {n: build_from_spec(s, key) for n, s in specs.items()}
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None):
         raw = {}
