@@ -6,13 +6,18 @@ FSDP2 (``fully_shard``) is applied to every LoRA layer (when peft adapters are p
 its forward and frees them after (``reshard_after_forward``; the last block keeps them, as torchtitan
 does, since backward starts there), and reduce-scatters its gradients in backward.
 
-LoRA under FSDP2: adapters are added by peft *before* sharding, with a frozen base that may be
-bf16 and trainable fp32 adapters. Each peft ``lora_A`` / ``lora_B`` module is its own FSDP unit with
-``param_dtype=None`` (the fp32 weights are gathered and used in fp32; peft casts the activation to the
-adapter's dtype and the result back), so fp32 adapter gradients are reduced in fp32 and a bf16
-``MixedPrecisionPolicy`` never rounds the adapters. The frozen base units follow ``cfg.param_dtype``.
-(A block holding both bf16 and fp32 parameters in one unit also works in torch 2.14 -- the all-gather
-falls back to bytes -- but then ``param_dtype`` would cast the adapters too.)
+LoRA under FSDP2: peft adapters are added *before* sharding. ``parallelize`` then stores every frozen
+parameter in ``cfg.param_dtype`` (a frozen base needs no fp32 master copy: bf16 halves its memory and
+all-gather traffic) and leaves trainable ones in their dtype (fp32 adapters). A block is one FSDP unit
+holding both dtypes: FSDP2 all-gathers a unit of mixed dtypes as bytes (``_get_all_gather_input_metadatas``
+falls back to uint8, torch >= 2.4), and reduce-scatter only needs the *gradients* to share a dtype, which
+holds since only the fp32 adapters get gradients. With LoRA layers present the policy's ``param_dtype`` is
+therefore None: each parameter computes in its stored dtype -- the base in bf16, the adapters exactly in
+fp32 (peft casts the activation to the adapter's dtype and the result back). Measured alternatives (torch
+2.14, gloo): the same units with ``param_dtype=bf16`` also train but round the adapters to bf16 for
+compute; sharding each ``lora_A`` / ``lora_B`` as its own fp32 unit works too but costs two extra
+collectives per adapted projection (~15 per block), so it is not used. Without LoRA (full fine-tuning,
+or its frozen reference copy) the policy is ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
 """
 
 from __future__ import annotations
@@ -56,20 +61,23 @@ def apply_compile(model: torch.nn.Module) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """``fully_shard`` LoRA layers (fp32, their own units), each transformer block, then the root.
+    """``fully_shard`` each transformer block (the last without resharding after forward), then the root.
 
-    With ``sp`` > 1 the shard mesh includes the SP ranks; they hold the same samples, so gradients are
-    summed over them and averaged only over the ``dims.dp`` data shards (``set_gradient_divide_factor``).
-    This matches a loss computed on the gathered full output on every SP rank (``sequence.py``)."""
+    Frozen parameters are cast to ``param_dtype`` first; with LoRA layers present, units compute each
+    parameter in its stored dtype (see the module docstring). With ``sp`` > 1 the shard mesh includes the SP
+    ranks; they hold the same samples, so gradients are summed over them and averaged only over the
+    ``dims.dp`` data shards (``set_gradient_divide_factor``). This matches a loss computed on the gathered
+    full output on every SP rank (``sequence.py``)."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(param_dtype)
+    lora = bool(lora_layers(model))
+    policy = MixedPrecisionPolicy(param_dtype=None if lora else param_dtype, reduce_dtype=reduce_dtype)
     fsdp_mesh = mesh.fsdp_mesh()
-    base = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    exact = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-    for layer in lora_layers(model):
-        fully_shard(layer, mesh=fsdp_mesh, mp_policy=exact)
     blocks = list(transformer_of(model).transformer_blocks)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=base, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=base)
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
     if mesh.dims.sp > 1:
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -81,9 +89,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig) -> torc
     """Apply activation checkpointing, compile and FSDP2 to ``model`` (an ``SD3Adapter`` or an
     ``SD3Transformer2DModel``) in place, in torchtitan's order; returns ``model``.
 
-    Call after adding peft adapters and after moving the model to its device. Parameters become
-    ``DTensor`` shards over ``mesh.fsdp_mesh()``; the same call shards a frozen full-fine-tuning reference
-    copy (its parameters have ``requires_grad=False``; it then only all-gathers)."""
+    Call after adding peft adapters (and freezing the base) and after moving the model to its device.
+    Parameters become ``DTensor`` shards over ``mesh.fsdp_mesh()``; the same call shards a frozen
+    full-fine-tuning reference copy (``requires_grad=False`` everywhere: stored in ``param_dtype``, it only
+    all-gathers)."""
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.compile:

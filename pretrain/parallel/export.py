@@ -1,0 +1,79 @@
+"""Gather an FSDP2-sharded model into one plain module on rank 0, for exports loadable in one process.
+
+``unsharded_copy(model)`` all-gathers the full state dict to rank 0's CPU
+(``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``) and loads it
+into a freshly built module of the same class, config and peft adapters, keeping every parameter's dtype
+(a bf16 base stays bf16, fp32 LoRA stays fp32). The usual single-process exports then apply unchanged on
+rank 0: ``save_full_pretrained`` (diffusers folder, LoRA fused) and ``save_lora_adapter`` (peft/diffusers
+LoRA safetensors, the format ``load_lora_adapter`` reads); ``pretrain.export.export_model`` on the copy's
+``.transformer`` writes this project's export folder.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _plain_class(module: torch.nn.Module) -> type:
+    """The class ``fully_shard`` replaced (it swaps ``type(m)`` for a subclass of ``FSDPModule``)."""
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    return cls
+
+
+def _skeleton(transformer: torch.nn.Module) -> torch.nn.Module:
+    """A new diffusers transformer with ``transformer``'s config and peft adapters (values not copied)."""
+    plain = _plain_class(transformer).from_config(transformer.config)
+    for name, cfg in getattr(transformer, "peft_config", {}).items():
+        plain.add_adapter(copy.deepcopy(cfg), adapter_name=name)
+    return plain
+
+
+def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
+    """Collective: on rank 0, a plain CPU copy of ``model`` (an ``SD3Adapter`` or a diffusers transformer,
+    FSDP2-sharded or not) with the same parameter names, values and dtypes; None on other ranks."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not _is_rank0():
+        return None
+    inner = getattr(model, "transformer", None)
+    if inner is None:
+        plain = _skeleton(model)
+    else:
+        plain = _plain_class(model)(_skeleton(inner))
+    plain.load_state_dict(full, strict=True, assign=True)
+    return plain.requires_grad_(False)
+
+
+def save_lora_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
+    """Collective: write ``model``'s LoRA adapter (peft keys, safetensors) from rank 0; returns the folder
+    on rank 0, None elsewhere."""
+    plain = unsharded_copy(model)
+    if plain is None:
+        return None
+    getattr(plain, "transformer", plain).save_lora_adapter(str(out_dir), safe_serialization=True)
+    return Path(out_dir)
+
+
+def save_full_pretrained(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
+    """Collective: write the full transformer (LoRA fused, adapters removed) as a diffusers folder from
+    rank 0 (``SD3Transformer2DModel.from_pretrained(out_dir)`` loads it); None on other ranks."""
+    plain = unsharded_copy(model)
+    if plain is None:
+        return None
+    transformer = getattr(plain, "transformer", plain)
+    if getattr(transformer, "peft_config", None):
+        transformer.fuse_lora()
+        transformer.unload_lora()
+    transformer.save_pretrained(str(out_dir), safe_serialization=True)
+    return Path(out_dir)
