@@ -125,6 +125,8 @@ def test_served_subprocess_matches_in_process_scoring_of_quantised_images(served
     assert len(set(got.tolist())) == B  # distinct per sample, so a swap would show
     part = ServedReward(served_url, component="jpeg_incompressibility", batch_size=8)(images, PROMPTS)
     assert torch.equal(part, raw["jpeg_incompressibility"])
+    by_config, _ = CompositeReward({"served": {"weight": 2.0, "url": served_url, "batch_size": 5}})(images, PROMPTS)
+    assert torch.equal(by_config, 2 * expected)  # built by name from a `rewards:` spec, as a training config does
     with urllib.request.urlopen(served_url + "/health", timeout=10) as r:
         assert json.loads(r.read()) == {"status": "ok", "rewards": WEIGHTS}
 
