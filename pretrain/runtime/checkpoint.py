@@ -41,6 +41,26 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def per_rank(value):
+    """Wrap state that differs per rank (RNG, data positions) as ``{"rank<N>": value}`` under a process
+    group of more than one rank: DCP stores one copy of the state all ranks save under the same key.
+    Returned unchanged in one process (the single-process layout stays as it was)."""
+    rank, world = _world()
+    return value if world == 1 else {f"rank{rank}": value}
+
+
+def own_rank(saved):
+    """This rank's entry of state written by ``per_rank`` (so resume needs the same number of ranks)."""
+    rank, world = _world()
+    return saved if world == 1 else saved[f"rank{rank}"]
+
+
 class CheckpointManager:
     """Save / find / load DCP checkpoints under ``root`` and keep the last ``keep_last``."""
 
@@ -78,6 +98,8 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             self._prune()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank looks for the checkpoint before rank 0 has renamed it
         return final
 
     def load(self, state: dict, path: str | Path) -> None:

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from pretrain.runtime.checkpoint import CheckpointManager, rng_state, set_rng_state
+from pretrain.runtime.checkpoint import CheckpointManager, own_rank, per_rank, rng_state, set_rng_state
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.ema import build_ema
 from pretrain.runtime.guard import NonFiniteGuard
@@ -111,8 +111,10 @@ class Runtime:
     def state_dict(self) -> dict:
         msd, osd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
         state = {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict(), "step": self.step,
-                 "guard": self.guard.state_dict(), "amp_overflows": self.amp_overflows, "rng": rng_state(),
-                 "stateful": {k: v.state_dict() for k, v in self.stateful.items()}}
+                 "guard": self.guard.state_dict(), "amp_overflows": self.amp_overflows,
+                 # per rank: DCP keeps one copy of equal keys, and each rank has its own RNG and positions
+                 "rng": per_rank(rng_state()),
+                 "stateful": per_rank({k: v.state_dict() for k, v in self.stateful.items()})}
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
         if self.precision.scaler is not None:
@@ -137,8 +139,8 @@ class Runtime:
         if self.precision.scaler is not None:
             self.precision.scaler.load_state_dict(state["scaler"])
         for k, v in self.stateful.items():
-            v.load_state_dict(state["stateful"][k])
-        set_rng_state(state["rng"])
+            v.load_state_dict(own_rank(state["stateful"])[k])
+        set_rng_state(own_rank(state["rng"]))
 
     def start(self, resume: bool) -> Path | None:
         """Begin a run: with ``resume``, load the latest complete checkpoint (None if there is none);
