@@ -139,7 +139,7 @@ def grpo_checks(export: Path, base: list[str], work: Path, device: str, iteratio
                                              cache_dir=str(work / "cache")), encoder)
     null = encoder.encode([""]).to(dev)
     torch.manual_seed(0)
-    policy = Policy(model, PolicyConfig(lora_rank=4, lora_alpha=8))
+    Policy(model, PolicyConfig(lora_rank=4, lora_alpha=8))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:

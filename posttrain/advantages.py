@@ -35,3 +35,24 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, adv_clip_ma
             continue
         adv[m] = (vals - vals.mean()) / (std + EPS)
     return adv.clamp(-adv_clip_max, adv_clip_max), valid, zero_spread
+
+
+def per_reward_advantages(raw: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,
+                          adv_clip_max: float = 5.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-reward advantages the DanceGRPO way (Xue et al. 2025, arXiv 2505.07818): group advantages
+    of each reward separately, then their weighted sum, so a reward's scale does not set its influence.
+
+    ``raw``: ``{name: float [B]}`` (NaN = not applicable), ``weights``: ``{name: w}``. A sample's NaN
+    components are skipped and the remaining weights renormalised (as :func:`rewards.base.weighted_sum`);
+    returns (advantages float32 ``[B]``, valid = some reward finite, zero_spread = every reward's group
+    has zero spread), like :func:`group_advantages`."""
+    from rewards.base import weighted_sum
+
+    per, valid, zero = {}, None, None
+    for name, r in raw.items():
+        a, v, z = group_advantages(r, group_ids, adv_clip_max)
+        per[name] = torch.where(v, a, torch.full_like(a, float("nan")))
+        valid = v if valid is None else valid | v
+        zero = (z | ~v) if zero is None else zero & (z | ~v)
+    adv = weighted_sum(per, weights)
+    return torch.nan_to_num(adv, nan=0.0).clamp(-adv_clip_max, adv_clip_max), valid, zero

@@ -15,19 +15,22 @@ import torch
 
 from pretrain.config import require_positive
 
-from posttrain.advantages import group_advantages
+from posttrain.advantages import group_advantages, per_reward_advantages
 from posttrain.grpo_update import GRPOLossConfig, grpo_update
+from posttrain.perf import PerfConfig, compile_blocks
 from posttrain.policy import PolicyConfig
 from posttrain.stage import PolicyStage
 from pretrain.data.dataset import DataConfig, EpochSampler
 from pretrain.models import ModelConfig, count_parameters
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.profiling import ProfileConfig, StepProfiler, peak_rss_mb
 from pretrain.runtime.runtime import Runtime
 from pretrain.schedule import sigma_schedule
 from pretrain.seeding import generator_for
 from rewards.base import CompositeReward, check_reward_weights
-from rollout.collect import collect_rollouts
+from rewards.scoring import AsyncScorer
+from rollout.collect import TimedCodec, collect_rollouts
 from rollout.trajectory import train_timesteps
 
 
@@ -80,7 +83,9 @@ class GRPOConfig:
     ``train.grad_accum``: mini-batches per optimizer step; ``checkpoint.every`` counts iterations (the
     folders are named by optimizer step). ``rewards``: ``{name: weight}`` (required; dict values from
     the command line merge into the file's, so switch a reward off with weight 0).
-    ``rollout.shift``: None takes the export's sampling shift. Outputs go to ``<run_dir>/grpo/``."""
+    ``rollout.shift``: None takes the export's sampling shift. ``perf``: speed options that leave the
+    algorithm unchanged (:class:`posttrain.perf.PerfConfig`); ``profile.steps``: iterations to trace
+    (``<run>/grpo/profile/``). Outputs go to ``<run_dir>/grpo/``."""
 
     run_dir: str = "runs/grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -94,12 +99,12 @@ class GRPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: GRPOEvalConfig = field(default_factory=GRPOEvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self, prefix: str = "") -> None:
         if not self.model.pretrained:
             raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
-        if self.grpo.inner_epochs < 1:
-            raise ValueError("grpo.inner_epochs: must be >= 1")
         check_reward_weights(self.rewards)
         iteration_shape(self)
 
@@ -148,61 +153,109 @@ def reward_stats(total: torch.Tensor, raw: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def train(cfg: GRPOConfig) -> Path:
-    """Run GRPO; returns the merged export folder (``<run>/grpo/export``; adapter in ``lora/``)."""
-    st = PolicyStage.setup(cfg, "grpo")
-    model, codec, meta, device, seed, null = st.model, st.codec, st.meta, st.device, cfg.train.seed, st.null
-    ro = replace(cfg.rollout, shift=meta["sampling"]["shift"] if cfg.rollout.shift is None else cfg.rollout.shift)
-    train_set, run, policy = st.train_set, st.run, st.policy
-    n, _, opt_per_iter = iteration_shape(cfg)
-    prompts = EpochSampler(len(train_set), seed)
-    rewards = CompositeReward(cfg.rewards)
-    rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
-                 stateful={"prompts": prompts}, total_steps=cfg.train.steps * opt_per_iter)
-    resumed = rt.start(cfg.checkpoint.resume)
-    it = rt.step // opt_per_iter
-    sigmas = sigma_schedule(ro.num_inference_steps, ro.shift)
-    size = meta["image_size"] // codec.downsample
-    logger = MetricsLogger(run, cfg.train.steps, it, cfg.wandb, asdict(cfg), ("reward_mean", "kl"))
-    logger.write(f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable of "
-                 f"{count_parameters(model) / 1e6:.2f} M ({'LoRA' if policy.lora else 'full'}); "
-                 f"rewards {cfg.rewards}; device {device}" + (f"; resumed from {resumed}" if resumed else ""))
-    logger.write(f"batch: {n} samples/iteration = {ro.prompts_per_step} prompts x group {ro.group_size}; rollout "
-                 f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation "
-                 f"{cfg.train.grad_accum} -> {opt_per_iter} optimizer steps/iteration over "
-                 f"{cfg.grpo.inner_epochs} inner epoch(s)")
+class GRPORun:
+    """One GRPO run, set up from ``cfg`` (export, data, policy, runtime, resume); :meth:`iteration`
+    does one rollout -> reward -> advantage -> update round and returns its metrics; :meth:`finish`
+    writes the grid and the exports. ``train`` = loop + finish; benchmarks drive iterations directly."""
 
-    while it < cfg.train.steps:
-        t0 = time.perf_counter()
-        model.eval()
-        with rt.autocast():  # the same precision as the update, so the ratio starts at 1
-            traj = collect_rollouts(model, codec, train_set, prompts.next(ro.prompts_per_step), ro.group_size,
-                                    ro.batch_size, null, sigmas, ro.noise_level, ro.guidance_scale,
-                                    (codec.channels, size, size), seed, it, device)
-        t1 = time.perf_counter()
-        total, raw = rewards(traj.images, traj.prompts)
-        adv, valid, zero = group_advantages(total, traj.group_ids, cfg.grpo.adv_clip_max)
-        mask = valid & ~zero if cfg.grpo.drop_zero_spread_groups else valid
-        t2 = time.perf_counter()
-        ts = train_timesteps(ro.num_inference_steps, ro.timestep_fraction, ro.timestep_selection,
-                             generator_for(seed, "train", it))
-        stats = grpo_update(policy, rt, traj, adv.to(device), mask.to(device), null, cfg.grpo, ts,
-                            cfg.train.batch_size, ro.guidance_scale, ro.noise_level, seed, it)
-        it += 1
-        t3 = time.perf_counter()
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+        self.st = st = PolicyStage.setup(cfg, "grpo")
+        meta, self.seed = st.meta, cfg.train.seed
+        self.ro = ro = replace(cfg.rollout, shift=meta["sampling"]["shift"] if cfg.rollout.shift is None
+                               else cfg.rollout.shift)
+        self.n, _, self.opt_per_iter = iteration_shape(cfg)
+        self.prompts = EpochSampler(len(st.train_set), self.seed)
+        self.rewards = CompositeReward(cfg.rewards)
+        self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
+        # Under autocast, merged weights round differently from base + adapter: the first ratio would drift.
+        self.perf = replace(cfg.perf, merge_lora=cfg.perf.merge_lora and cfg.train.precision == "fp32")
+        if cfg.perf.compile:  # the merged copy is made (deep-copied) before anything is compiled
+            merged = st.policy.inference_model(-1) if self.perf.merge_lora and st.policy.lora else None
+            for m in (st.model, merged):
+                if m is not None:
+                    compile_blocks(m)
+        self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
+                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts},
+                               total_steps=cfg.train.steps * self.opt_per_iter)
+        resumed = rt.start(cfg.checkpoint.resume)
+        self.it = rt.step // self.opt_per_iter
+        self.sigmas = sigma_schedule(ro.num_inference_steps, ro.shift)
+        size = meta["image_size"] // st.codec.downsample
+        self.latent_shape = (st.codec.channels, size, size)
+        self.profiler = StepProfiler(cfg.profile, st.run / "profile")
+        self.logger = MetricsLogger(st.run, cfg.train.steps, self.it, cfg.wandb, asdict(cfg), ("reward_mean", "kl"))
+        model, policy = st.model, st.policy
+        self.logger.write(
+            f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable of "
+            f"{count_parameters(model) / 1e6:.2f} M ({'LoRA' if policy.lora else 'full'}); rewards {cfg.rewards}; "
+            f"device {st.device}" + (f"; resumed from {resumed}" if resumed else ""))
+        self.logger.write(
+            f"batch: {self.n} samples/iteration = {ro.prompts_per_step} prompts x group {ro.group_size}; rollout "
+            f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation {cfg.train.grad_accum}"
+            f" -> {self.opt_per_iter} optimizer steps/iteration over {cfg.grpo.inner_epochs} inner epoch(s)")
+
+    def sampler(self) -> torch.nn.Module:
+        """The module the rollout samples with: the policy, or its LoRA-merged copy (``perf.merge_lora``)."""
+        policy = self.st.policy
+        return policy.inference_model(self.rt.step) if self.perf.merge_lora else policy.model
+
+    def advantages(self, total: torch.Tensor, raw: dict, group_ids: torch.Tensor):
+        if self.cfg.grpo.reward_aggregation == "advantages":
+            return per_reward_advantages(raw, self.rewards.weights, group_ids, self.cfg.grpo.adv_clip_max)
+        return group_advantages(total, group_ids, self.cfg.grpo.adv_clip_max)
+
+    def iteration(self) -> dict:
+        cfg, ro, st, rt, seed, it = self.cfg, self.ro, self.st, self.rt, self.seed, self.it
+        with self.profiler.step(it + 1):
+            t0 = time.perf_counter()
+            sampler, codec = self.sampler().eval(), TimedCodec(st.codec)
+            st.model.eval()
+            with rt.autocast():  # the same precision as the update, so the ratio starts at 1
+                traj = collect_rollouts(sampler, codec, st.train_set, self.prompts.next(ro.prompts_per_step),
+                                        ro.group_size, ro.batch_size, st.null, self.sigmas, ro.noise_level,
+                                        ro.guidance_scale, self.latent_shape, seed, it, st.device,
+                                        on_batch=lambda b: self.scorer.submit(b.images, b.prompts))
+            t1 = time.perf_counter()
+            total, raw = self.scorer.gather()
+            adv, valid, zero = self.advantages(total, raw, traj.group_ids)
+            mask = valid & ~zero if cfg.grpo.drop_zero_spread_groups else valid
+            t2 = time.perf_counter()
+            ts = train_timesteps(ro.num_inference_steps, ro.timestep_fraction, ro.timestep_selection,
+                                 generator_for(seed, "train", it))
+            stats = grpo_update(st.policy, rt, traj, adv.to(st.device), mask.to(st.device), st.null, cfg.grpo, ts,
+                                cfg.train.batch_size, ro.guidance_scale, ro.noise_level, seed, it, self.perf)
+            t3 = time.perf_counter()
+        self.it = it = it + 1
         if bool(zero.all()):
-            logger.write(f"iteration {it}: every group has zero reward spread: no learning signal")
+            self.logger.write(f"iteration {it}: every group has zero reward spread: no learning signal")
         metrics = {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
-                   "samples_per_s": n / (t3 - t0),  # whole-iteration throughput
-                   "time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2}
-        logger.log(it, metrics)
+                   "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
+                   "time_rollout_s": t1 - t0 - codec.seconds, "time_decode_s": codec.seconds,
+                   "time_reward_wait_s": self.scorer.wait_seconds, "time_advantage_s": t2 - t1,
+                   "time_train_s": t3 - t2, "peak_rss_mb": peak_rss_mb()}
+        self.logger.log(it, metrics)
         if cfg.eval.every and it % cfg.eval.every == 0:
             st.grid(rt.sampling_model().eval(), cfg.eval, seed, ro.shift, f"heldout_iter_{it:05d}.png")
         if it == cfg.train.steps or (cfg.checkpoint.every and it % cfg.checkpoint.every == 0):
             rt.save()
-    final = rt.sampling_model().eval()
-    logger.write(f"grid: {st.grid(final, cfg.eval, seed, ro.shift, f'heldout_iter_{it:05d}.png')}")
-    out = st.finish(final)
-    logger.write(f"exported {out}")
-    logger.close()
-    return out
+        return metrics
+
+    def finish(self) -> Path:
+        """Final held-out grid, ``lora/`` and the merged ``export/``; returns the export folder."""
+        self.scorer.close()
+        final = self.rt.sampling_model().eval()
+        grid = self.st.grid(final, self.cfg.eval, self.seed, self.ro.shift, f"heldout_iter_{self.it:05d}.png")
+        self.logger.write(f"grid: {grid}")
+        out = self.st.finish(final)
+        self.logger.write(f"exported {out}")
+        self.logger.close()
+        return out
+
+
+def train(cfg: GRPOConfig) -> Path:
+    """Run GRPO; returns the merged export folder (``<run>/grpo/export``; adapter in ``lora/``)."""
+    run = GRPORun(cfg)
+    while run.it < cfg.train.steps:
+        run.iteration()
+    return run.finish()

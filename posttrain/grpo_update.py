@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.losses import kl_to_reference, ppo_clip_loss
+from posttrain.perf import PerfConfig
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 from pretrain.guidance import guided_velocity
@@ -21,7 +22,9 @@ class GRPOLossConfig:
     the reference (Flow-GRPO form); ``adv_clip_max``: advantage clip; ``inner_epochs``: passes over
     the buffer per iteration; ``drop_zero_spread_groups``: mask groups whose rewards are all equal;
     ``detach_uncond``: no gradient through the unconditional CFG branch (default; set false for
-    flow_grpo's behaviour, gradients through both branches). The loss value is the same either way."""
+    flow_grpo's behaviour, gradients through both branches). The loss value is the same either way.
+    ``reward_aggregation``: "sum" (weighted sum of rewards, then group advantages) or "advantages"
+    (group advantages per reward, then their weighted sum, as DanceGRPO does for several rewards)."""
 
     clip_range: float = 1e-3
     beta: float = 0.04
@@ -29,22 +32,35 @@ class GRPOLossConfig:
     inner_epochs: int = 1
     drop_zero_spread_groups: bool = False
     detach_uncond: bool = True
+    reward_aggregation: str = "sum"
+
+    def validate(self, prefix: str = "") -> None:
+        if self.reward_aggregation not in ("sum", "advantages"):
+            raise ValueError(f"{prefix}reward_aggregation: '{self.reward_aggregation}' is not one of sum, advantages")
+        if self.inner_epochs < 1:
+            raise ValueError(f"{prefix}inner_epochs: must be >= 1")
 
 
 def transition_log_prob(model, traj: Trajectory, t: int, null: PromptEmbeds, guidance_scale: float,
-                        noise_level: float, detach_uncond: bool = True):
+                        noise_level: float, detach_uncond: bool = True, uncond_model=None,
+                        uncond_in_batch: bool = False):
     """Recompute transition ``t`` of ``traj`` under ``model``: the ``SDEStep`` whose ``prev_sample`` is
-    the recorded latent t + 1 (so ``log_prob`` is comparable with ``traj.log_probs[:, t]``)."""
+    the recorded latent t + 1 (so ``log_prob`` is comparable with ``traj.log_probs[:, t]``).
+    ``uncond_model`` / ``uncond_in_batch``: see :func:`pretrain.guidance.guided_velocity`."""
     sig = traj.sigmas.to(traj.latents.device)
     x = traj.latents[:, t]
-    v = guided_velocity(model, x, sig[t].expand(x.shape[0]), traj.embeds, null, guidance_scale, detach_uncond)
+    v = guided_velocity(model, x, sig[t].expand(x.shape[0]), traj.embeds, null, guidance_scale, detach_uncond,
+                        uncond_model, uncond_in_batch)
     return sde_step(x, v, sig[t], sig[t + 1], noise_level, sig[1], prev_sample=traj.latents[:, t + 1])
 
 
 def transition_loss(policy, traj: Trajectory, t: int, advantages: torch.Tensor, mask: torch.Tensor,
-                    null: PromptEmbeds, cfg: GRPOLossConfig, guidance_scale: float, noise_level: float):
-    """PPO-clip + beta * KL for transition ``t`` of a mini-batch; returns (float32 loss, stats)."""
-    st = transition_log_prob(policy.model, traj, t, null, guidance_scale, noise_level, cfg.detach_uncond)
+                    null: PromptEmbeds, cfg: GRPOLossConfig, guidance_scale: float, noise_level: float,
+                    uncond_model=None, uncond_in_batch: bool = False):
+    """PPO-clip + beta * KL for transition ``t`` of a mini-batch; returns (float32 loss, stats).
+    ``uncond_model`` computes the detached unconditional branch (default: the policy itself)."""
+    st = transition_log_prob(policy.model, traj, t, null, guidance_scale, noise_level, cfg.detach_uncond,
+                             uncond_model, uncond_in_batch)
     loss, stats = ppo_clip_loss(st.log_prob, traj.log_probs[:, t], advantages, cfg.clip_range, mask)
     if cfg.beta > 0:
         with torch.no_grad(), policy.reference() as ref:
@@ -70,9 +86,12 @@ def merge_stats(acc: dict, stats: dict, count: int) -> None:
 
 def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor,
                 null: PromptEmbeds, cfg: GRPOLossConfig, timesteps: list[int], mini_batch_size: int,
-                guidance_scale: float, noise_level: float, seed: int, iteration: int) -> list[dict]:
+                guidance_scale: float, noise_level: float, seed: int, iteration: int,
+                perf: PerfConfig | None = None) -> list[dict]:
     """Inner epochs over ``traj`` in mini-batches shuffled by (seed, "shuffle", iteration, epoch);
-    ``runtime.cfg.grad_accum`` mini-batches per optimizer step. Returns per-mini-batch stats."""
+    ``runtime.cfg.grad_accum`` mini-batches per optimizer step. Returns per-mini-batch stats.
+    ``perf``: speed options (:class:`posttrain.perf.PerfConfig`; same loss and gradients)."""
+    perf = perf or PerfConfig()
     n = len(traj)
     accum = runtime.cfg.grad_accum
     out, pending = [], 0.0
@@ -83,10 +102,11 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
             idx = perm[start:start + mini_batch_size]
             mb = traj.select(idx)
             mb_stats: dict[str, float] = {}
+            uncond = policy.inference_model(runtime.step) if perf.merge_lora else None
             for t in timesteps:
                 with runtime.autocast():
                     loss, stats = transition_loss(policy, mb, t, advantages[idx], mask[idx], null, cfg,
-                                                  guidance_scale, noise_level)
+                                                  guidance_scale, noise_level, uncond, perf.uncond_in_batch)
                 runtime.backward(loss / len(timesteps))
                 pending += loss.item() / len(timesteps) / accum
                 merge_stats(mb_stats, stats, len(timesteps))

@@ -43,6 +43,18 @@ class Policy:
         else:
             self.frozen_reference = copy.deepcopy(model).requires_grad_(False).eval()
             model.requires_grad_(True)
+        self._merged: MergedCopy | None = None
+
+    def inference_model(self, version: int) -> torch.nn.Module:
+        """The policy's function for no-grad forwards (rollout, the detached CFG branch): with LoRA, a
+        plain copy whose targeted weights are W + scale * B A (no adapter matmuls), refreshed whenever
+        ``version`` (the optimizer step) changes; the model itself for full fine-tuning. Outputs equal
+        the policy's up to float rounding."""
+        if not self.lora:
+            return self.model
+        if self._merged is None:
+            self._merged = MergedCopy(self.model)
+        return self._merged.refresh(version)
 
     @contextlib.contextmanager
     def reference(self):
@@ -70,3 +82,30 @@ class Policy:
             return None
         (source or self.model).transformer.save_lora_adapter(str(out_dir), safe_serialization=True)
         return Path(out_dir)
+
+
+class MergedCopy:
+    """A LoRA-free copy of a peft-LoRA ``model`` (an ``SD3Adapter``-like module with ``.transformer``)
+    whose targeted linear weights are kept equal to base + the active adapters' delta weights."""
+
+    def __init__(self, model: torch.nn.Module):
+        from peft.tuners.lora import LoraLayer
+
+        t = copy.deepcopy(model.transformer)
+        t.fuse_lora()
+        t.unload_lora()
+        self.model = type(model)(t).requires_grad_(False).eval()
+        self.pairs = [(m, t.get_submodule(name)) for name, m in model.transformer.named_modules()
+                      if isinstance(m, LoraLayer)]
+        self.version: int | None = None
+
+    @torch.no_grad()
+    def refresh(self, version: int) -> torch.nn.Module:
+        """Recompute the merged weights unless already at ``version``; returns the copy."""
+        if version != self.version:
+            for lora, target in self.pairs:
+                w = lora.get_base_layer().weight
+                delta = sum(lora.get_delta_weight(a) for a in lora.active_adapters if a in lora.lora_A)
+                target.weight.copy_(w + delta)
+            self.version = version
+        return self.model

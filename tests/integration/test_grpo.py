@@ -130,7 +130,7 @@ def test_grpo_raises_a_deterministic_reward(tiny_export, tmp_path):
     assert len(rewards) == 6
     want = {"reward/test_brightness_mean", "reward/test_brightness_std", "clip_frac", "approx_kl", "ratio_min",
             "ratio_mean", "ratio_max", "grad_norm", "samples_per_s", "zero_spread_frac", "time_rollout_s",
-            "time_reward_s", "time_train_s", "lr", "nonfinite_total"}
+            "time_reward_wait_s", "time_decode_s", "time_train_s", "peak_rss_mb", "lr", "nonfinite_total"}
     assert all(want <= set(r) for r in recs), want - set(recs[0])
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.01, rewards
 

@@ -1,0 +1,103 @@
+"""Speed options keep the algorithm: the optimized training step gives the plain step's loss and
+gradients; the LoRA-merged copy computes the policy's function; async scoring keeps sample order;
+the profiler writes a Chrome trace."""
+
+import json
+import random
+import threading
+import time
+
+import torch
+
+from posttrain.grpo import train as grpo_train
+from posttrain.grpo_update import GRPOLossConfig, transition_loss
+from pretrain.runtime.metrics import read_metrics
+from rewards.scoring import AsyncScorer
+from tests.conftest import grpo_config
+from tests.integration.test_grpo import NOISE, SCALE, STEPS, _rollout, _setup
+
+
+def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch):
+    policy.model.train()
+    policy.model.zero_grad(set_to_none=True)
+    adv = torch.linspace(0.5, 1.5, len(traj))  # one sign, so the loss is O(1) and a relative bound means something
+    mask = torch.ones(len(traj), dtype=torch.bool)
+    total = 0.0
+    for t in range(STEPS - 1):
+        loss, _ = transition_loss(policy, traj, t, adv, mask, null, GRPOLossConfig(clip_range=1e-4, beta=0.04),
+                                  SCALE, NOISE, uncond_model, uncond_in_batch)
+        loss.backward()
+        total += loss.item()
+    grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    return total, grads
+
+
+def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    traj = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=4)
+    with torch.no_grad():  # move the policy off the rollout's weights so the ratio term is not trivial
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.add_(0.01 * torch.randn_like(p))
+    plain_loss, plain = _loss_and_grads(policy, traj, null, None, True)  # flow_grpo: one 2B forward, uncond detached
+    fast_loss, fast = _loss_and_grads(policy, traj, null, policy.inference_model(0), False)
+    assert abs(fast_loss - plain_loss) <= 1e-5 * abs(plain_loss)
+    assert plain.keys() == fast.keys() and len(plain) > 0
+    scale = max(g.abs().max() for g in plain.values())
+    assert scale > 0
+    worst = max((fast[n] - plain[n]).abs().max() for n in plain)
+    assert worst <= 1e-5 * scale, (worst, scale)
+
+
+def test_merged_copy_follows_the_policy(tiny_export):
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    x, sigma = torch.randn(3, 3, 16, 16), torch.tensor([0.9, 0.5, 0.2])
+    _, embeds, _ = train.batch([0, 1, 2])
+    model.eval()
+    merged = policy.inference_model(0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x, sigma, embeds), model(x, sigma, embeds), rtol=1e-5, atol=1e-5)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-2.0)
+        stale = merged(x, sigma, embeds)
+        assert policy.inference_model(0) is merged  # same version: not refreshed
+        fresh = policy.inference_model(1)(x, sigma, embeds)
+        want = model(x, sigma, embeds)
+    torch.testing.assert_close(fresh, want, rtol=1e-5, atol=1e-5)
+    assert (stale - want).abs().max() > 1e-3
+
+
+def test_async_scoring_keeps_reward_i_with_sample_i():
+    seen = []
+
+    def slow_reward(images, prompts, metadata=None):
+        time.sleep(random.uniform(0.0, 0.05))  # finish in a random order
+        seen.append(threading.current_thread().name)
+        r = images.flatten(1)[:, 0].clone()
+        return r, {"first_pixel": r}
+
+    scorer = AsyncScorer(slow_reward, workers=4)
+    images = torch.arange(24, dtype=torch.float32).view(24, 1, 1, 1).expand(24, 3, 2, 2).contiguous()
+    for start in range(0, 24, 3):
+        scorer.submit(images[start:start + 3], [""] * 3)
+    total, raw = scorer.gather()
+    scorer.close()
+    assert torch.equal(total, torch.arange(24, dtype=torch.float32))
+    assert torch.equal(raw["first_pixel"], total)
+    assert all(name.startswith("reward") for name in seen)
+
+
+def test_profile_steps_write_a_chrome_trace(tiny_export, tmp_path):
+    cfg = grpo_config(tmp_path, tiny_export, "train.steps=2", "profile.steps=[2]", "data.limit=8",
+                      "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.batch_size=4",
+                      "train.batch_size=4", "eval.grid_prompts=2")
+    grpo_train(cfg)
+    first = read_metrics(tmp_path / "grpo/metrics.jsonl")[0]  # rollout on the merged copy, training on LoRA
+    assert abs(first["ratio_min"] - 1) <= 1e-5 and abs(first["ratio_max"] - 1) <= 1e-5
+    out = tmp_path / "grpo/profile"
+    assert sorted(p.name for p in out.iterdir()) == ["step_2.trace.json", "step_2_memory.txt"]
+    trace = json.loads((out / "step_2.trace.json").read_text())
+    events = trace["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    assert "peak RSS" in (out / "step_2_memory.txt").read_text()
