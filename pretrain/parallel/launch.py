@@ -1,10 +1,5 @@
-"""Start ``fn(rank, world_size, *args)`` on ``world_size`` CPU processes joined by gloo.
-
-``torch.multiprocessing.spawn`` with a free TCP port on localhost; ranks run with one thread
-(``OMP_NUM_THREADS=1``: CI has 2 cores) and destroy their process group on exit. ``run_ranks`` returns
-every rank's return value (anything ``torch.save`` can write), so the test asserts in the parent. An
-exception in any rank is re-raised in the caller with that rank's traceback.
-"""
+"""Process groups: join the one ``torchrun`` describes (``init_distributed``), or start a few local
+CPU ranks joined by gloo for tests and benchmarks (``run_ranks``)."""
 
 from __future__ import annotations
 
@@ -15,6 +10,18 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+
+def init_distributed() -> torch.device:
+    """Under ``torchrun`` (``WORLD_SIZE`` set): initialise the default process group (NCCL with CUDA,
+    gloo otherwise) from its environment variables and return this rank's device (``cuda:LOCAL_RANK``
+    or cpu). Without ``torchrun``: nothing to join, returns the default device."""
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" in os.environ and not torch.distributed.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def free_port() -> int:
@@ -37,8 +44,11 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args: tuple)
 
 
 def run_ranks(fn, *args, world_size: int = 2) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks and return their results in rank
-    order; ``fn`` must be importable (a module-level function) and ``args`` picklable."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local CPU processes joined by gloo
+    (``torch.multiprocessing.spawn``, a free localhost port, one thread each: ``OMP_NUM_THREADS=1``) and
+    return every rank's return value (anything ``torch.save`` writes) in rank order, so a test asserts in
+    the parent. ``fn`` must be importable (module level) and ``args`` picklable. An exception in a rank
+    is re-raised here with that rank's traceback."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:

@@ -11,7 +11,7 @@ from pretrain.parallel.fsdp import parallelize
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.runtime import Runtime
 from tests.distributed.common import full_params, tiny_batch, tiny_model
-from tests.distributed.launch import run_ranks
+from pretrain.parallel.launch import run_ranks
 from tests.distributed.test_lora import _with_lora
 
 

@@ -9,7 +9,7 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.fsdp import parallelize
 from tests.distributed.common import flow_loss, full_grads, full_params, tiny_batch, tiny_model
-from tests.distributed.launch import run_ranks
+from pretrain.parallel.launch import run_ranks
 
 MICRO = 2  # samples per rank per micro-batch
 
@@ -20,10 +20,12 @@ def _compare(a: dict, b: dict) -> tuple[float, float]:
     return (max(float((a[k] - b[k]).abs().max()) for k in b), max(float(b[k].abs().max()) for k in b))
 
 
-def _fsdp_vs_single(rank, world, accum, sync_every_micro):
+def _fsdp_vs_single(rank, world, accum, sync_every_micro, checkpointing=False):
     torch.manual_seed(0)
     mesh = ParallelDims().build_mesh()
-    ref, model = tiny_model(), parallelize(tiny_model(), mesh, ParallelConfig())
+    ref, model = tiny_model(), parallelize(tiny_model(), mesh, ParallelConfig(activation_checkpointing=checkpointing))
+    calls = []
+    model.transformer.transformer_blocks[0].attn.register_forward_pre_hook(lambda *_: calls.append(1))
     x, sigma, embeds, v = tiny_batch(MICRO * world * accum)
     for m in range(accum):
         if not sync_every_micro:  # skip the reduce-scatter until the last micro-batch
@@ -38,7 +40,8 @@ def _fsdp_vs_single(rank, world, accum, sync_every_micro):
         torch.optim.SGD(net.parameters(), lr=0.5).step()
     param_diff, _ = _compare(full_params(model), full_params(ref))
     moved = max(float((p - before[k]).abs().max()) for k, p in full_params(ref).items())
-    return dict(grad_diff=grad_diff, grad_max=grad_max, param_diff=param_diff, moved=moved)
+    return dict(grad_diff=grad_diff, grad_max=grad_max, param_diff=param_diff, moved=moved,
+                attn_calls_per_micro=len(calls) / accum)
 
 
 def _check(results):
@@ -64,7 +67,7 @@ def _hsdp_adamw(rank, world):
 
 def _scenarios(rank, world):
     return dict(one=_fsdp_vs_single(rank, world, 1, True), accum=_fsdp_vs_single(rank, world, 2, False),
-                hsdp=_hsdp_adamw(rank, world))
+                checkpointing=_fsdp_vs_single(rank, world, 1, True, checkpointing=True), hsdp=_hsdp_adamw(rank, world))
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,12 @@ def test_fsdp_step_equals_single_process_on_combined_batch(results):
 
 def test_fsdp_gradient_accumulation_equals_single_process(results):
     _check([r["accum"] for r in results])
+
+
+def test_fsdp_with_activation_checkpointing_equals_single_process(results):
+    _check([r["checkpointing"] for r in results])
+    assert [r["checkpointing"]["attn_calls_per_micro"] for r in results] == [2, 2]  # forward + recompute
+    assert [r["one"]["attn_calls_per_micro"] for r in results] == [1, 1]
 
 
 def test_hsdp_replicas_identical_after_adamw(results):

@@ -14,7 +14,7 @@ from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.export import save_full_pretrained, save_lora_adapter
 from pretrain.parallel.fsdp import parallelize
 from tests.distributed.common import flow_loss, full_params, tiny_batch, tiny_model
-from tests.distributed.launch import run_ranks
+from pretrain.parallel.launch import run_ranks
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 

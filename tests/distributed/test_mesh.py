@@ -5,7 +5,7 @@ import pytest
 from pretrain.config import ConfigError, load_config
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.dims import ParallelDims
-from tests.distributed.launch import run_ranks
+from pretrain.parallel.launch import run_ranks
 
 
 def test_degrees_must_multiply_to_world_size():

@@ -7,7 +7,7 @@ from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.fsdp import parallelize
 from pretrain.parallel.sequence import enable_sequence_parallel
 from tests.distributed.common import full_grads, tiny_batch, tiny_model
-from tests.distributed.launch import run_ranks
+from pretrain.parallel.launch import run_ranks
 
 
 def _sp_vs_single(rank, world):
