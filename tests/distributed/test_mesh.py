@@ -3,7 +3,10 @@
 import pytest
 
 from pretrain.config import ConfigError, load_config
+import torch
+
 from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.data import gather_samples, shard_bounds
 from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.launch import run_ranks
 
@@ -36,6 +39,11 @@ def _ranks(rank, world):
         mesh = dims.build_mesh()
         out[name] = (mesh.dp_rank, mesh.dp_size, mesh.sp_rank, mesh.sp_size, tuple(mesh.fsdp_mesh().shape),
                      mesh.device_mesh.mesh_dim_names)
+    mesh = ParallelDims().build_mesh()
+    start, stop = shard_bounds(6, mesh.dp_rank, mesh.dp_size)
+    rewards = torch.arange(start, stop, dtype=torch.float32) * 10  # stands for per-sample rewards
+    rewards[0] = float("nan") if rank == 1 else rewards[0]
+    out["gathered"] = gather_samples(rewards, mesh.dp_group)
     try:
         ParallelDims(dp_shard=4).build_mesh()
     except ValueError as e:
@@ -43,11 +51,19 @@ def _ranks(rank, world):
     return out
 
 
-def test_mesh_ranks_on_two_processes():
+def test_shard_bounds():
+    assert [shard_bounds(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="6 items do not split evenly over 4"):
+        shard_bounds(6, 0, 4)
+
+
+def test_mesh_ranks_and_sample_gather_on_two_processes():
     results = run_ranks(_ranks)
     names = ("dp_replicate", "dp_shard", "sp")
     for rank, got in enumerate(results):
         assert got["fsdp"] == (rank, 2, 0, 1, (2,), names)  # data split over both ranks
         assert got["sp"] == (0, 1, rank, 2, (2,), names)  # one data shard, tokens split, FSDP over both
         assert got["hsdp"] == (rank, 2, 0, 1, (2, 1), names)  # 2-D mesh: replicate x shard
+        torch.testing.assert_close(got["gathered"], torch.tensor([0.0, 10, 20, float("nan"), 40, 50]), rtol=0, atol=0,
+                                   equal_nan=True)  # rank order = single-process order
         assert got["error"] == "parallel: dp_replicate=1 x dp_shard=4 x sp=1 x tp=1 = 4 != world size 2"
