@@ -17,7 +17,8 @@ class ParallelConfig:
     """Degrees (``dp_shard: -1`` = all ranks left after ``dp_replicate`` and ``sp``), FSDP2 mixed
     precision (``param_dtype``: the dtype blocks compute in after the all-gather; ``reduce_dtype``: the
     dtype gradients are reduced in, fp32 by default as torchtitan), per-block activation checkpointing and
-    per-block ``torch.compile``. ``sp`` > 1 turns on Ulysses sequence parallelism (``ulysses.py``)."""
+    per-block ``torch.compile``. With LoRA, ``param_dtype`` is the storage dtype of the frozen base and the
+    adapters stay fp32 (``fsdp.py``). ``sp`` > 1 turns on Ulysses sequence parallelism (``ulysses.py``)."""
 
     dp_replicate: int = 1
     dp_shard: int = -1

@@ -1,8 +1,7 @@
 """Parallelize an SD3 model: activation checkpointing -> compile -> FSDP2, torchtitan's order
 (``torchtitan/models/flux/parallelize.py``; TP would come first and is not implemented).
 
-FSDP2 (``fully_shard``) is applied to every LoRA layer (when peft adapters are present), then every
-``transformer.transformer_blocks[i]``, then the root. One FSDP unit all-gathers its parameters before
+FSDP2 (``fully_shard``) is applied to every ``transformer.transformer_blocks[i]``, then the root. One FSDP unit all-gathers its parameters before
 its forward and frees them after (``reshard_after_forward``; the last block keeps them, as torchtitan
 does, since backward starts there), and reduce-scatters its gradients in backward.
 
@@ -10,7 +9,7 @@ LoRA under FSDP2: peft adapters are added *before* sharding. ``parallelize`` the
 parameter in ``cfg.param_dtype`` (a frozen base needs no fp32 master copy: bf16 halves its memory and
 all-gather traffic) and leaves trainable ones in their dtype (fp32 adapters). A block is one FSDP unit
 holding both dtypes: FSDP2 all-gathers a unit of mixed dtypes as bytes (``_get_all_gather_input_metadatas``
-falls back to uint8, torch >= 2.4), and reduce-scatter only needs the *gradients* to share a dtype, which
+falls back to uint8; measured on torch 2.14 with gloo), and reduce-scatter only needs the *gradients* to share a dtype, which
 holds since only the fp32 adapters get gradients. With LoRA layers present the policy's ``param_dtype`` is
 therefore None: each parameter computes in its stored dtype -- the base in bf16, the adapters exactly in
 fp32 (peft casts the activation to the adapter's dtype and the result back). Measured alternatives (torch
