@@ -16,12 +16,14 @@ import torch
 from pretrain.config import require_positive
 
 from posttrain.advantages import group_advantages, per_reward_advantages
+from posttrain.distributed_grpo import RankLayout
 from posttrain.grpo_update import GRPOLossConfig, grpo_update
 from posttrain.perf import PerfConfig, compile_blocks
 from posttrain.policy import PolicyConfig
 from posttrain.stage import PolicyStage
 from pretrain.data.dataset import DataConfig, EpochSampler
 from pretrain.models import ModelConfig, count_parameters
+from pretrain.parallel.config import ParallelConfig
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.profiling import ProfileConfig, StepProfiler, peak_rss_mb
@@ -85,7 +87,8 @@ class GRPOConfig:
     the command line merge into the file's, so switch a reward off with weight 0).
     ``rollout.shift``: None takes the export's sampling shift. ``perf``: speed options that leave the
     algorithm unchanged (:class:`posttrain.perf.PerfConfig`); ``profile.steps``: iterations to trace
-    (``<run>/grpo/profile/``). Outputs go to ``<run_dir>/grpo/``."""
+    (``<run>/grpo/profile/``). ``parallel``: degrees and FSDP2 options under ``torchrun``
+    (:mod:`posttrain.distributed_grpo`). Outputs go to ``<run_dir>/grpo/``."""
 
     run_dir: str = "runs/grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -101,6 +104,7 @@ class GRPOConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self, prefix: str = "") -> None:
         if not self.model.pretrained:
@@ -160,7 +164,10 @@ class GRPORun:
 
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
+        self.ranks = ranks = RankLayout.start_job(cfg.parallel)  # a no-op in one process
+        ranks.check(cfg.rollout.prompts_per_step, cfg.train.batch_size, cfg.train.ema_decay)
         self.st = st = PolicyStage.setup(cfg, "grpo")
+        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile)
         meta, self.seed = st.meta, cfg.train.seed
         self.ro = ro = replace(cfg.rollout, shift=meta["sampling"]["shift"] if cfg.rollout.shift is None
                                else cfg.rollout.shift)
@@ -170,7 +177,9 @@ class GRPORun:
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
         # Under autocast, merged weights round differently from base + adapter: the first ratio would drift.
         self.perf = replace(cfg.perf, merge_lora=cfg.perf.merge_lora and cfg.train.precision == "fp32")
-        if cfg.perf.compile:  # the merged copy is made (deep-copied) before anything is compiled
+        if ranks.distributed:  # the merged copy would deep-copy sharded weights; shard() compiled the blocks
+            self.perf = replace(self.perf, merge_lora=False, compile=False)
+        if self.perf.compile:  # the merged copy is made (deep-copied) before anything is compiled
             merged = st.policy.inference_model(-1) if self.perf.merge_lora and st.policy.lora else None
             for m in (st.model, merged):
                 if m is not None:
@@ -184,7 +193,8 @@ class GRPORun:
         size = meta["image_size"] // st.codec.downsample
         self.latent_shape = (st.codec.channels, size, size)
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
-        self.logger = MetricsLogger(st.run, cfg.train.steps, self.it, cfg.wandb, asdict(cfg), ("reward_mean", "kl"))
+        self.logger = MetricsLogger(st.run, cfg.train.steps, self.it, cfg.wandb, asdict(cfg), ("reward_mean", "kl"),
+                                    enabled=ranks.is_main)
         model, policy = st.model, st.policy
         self.logger.write(
             f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable of "
@@ -194,6 +204,7 @@ class GRPORun:
             f"batch: {self.n} samples/iteration = {ro.prompts_per_step} prompts x group {ro.group_size}; rollout "
             f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation {cfg.train.grad_accum}"
             f" -> {self.opt_per_iter} optimizer steps/iteration over {cfg.grpo.inner_epochs} inner epoch(s)")
+        self.logger.write(ranks.describe())
 
     def sampler(self) -> torch.nn.Module:
         """The module the rollout samples with: the policy, or its LoRA-merged copy (``perf.merge_lora``)."""
@@ -211,20 +222,24 @@ class GRPORun:
             t0 = time.perf_counter()
             sampler, codec = self.sampler().eval(), TimedCodec(st.codec)
             st.model.eval()
+            # every rank draws the same prompts and samples its share, noise keyed by global sample index
+            mine, offset = self.ranks.prompt_share(self.prompts.next(ro.prompts_per_step), ro.group_size)
             with rt.autocast():  # the same precision as the update, so the ratio starts at 1
-                traj = collect_rollouts(sampler, codec, st.train_set, self.prompts.next(ro.prompts_per_step),
+                traj = collect_rollouts(sampler, codec, st.train_set, mine,
                                         ro.group_size, ro.batch_size, st.null, self.sigmas, ro.noise_level,
-                                        ro.guidance_scale, self.latent_shape, seed, it, st.device,
+                                        ro.guidance_scale, self.latent_shape, seed, it, st.device, offset,
                                         on_batch=lambda b: self.scorer.submit(b.images, b.prompts))
             t1 = time.perf_counter()
-            total, raw = self.scorer.gather()
-            adv, valid, zero = self.advantages(total, raw, traj.group_ids)
+            total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
+            adv, valid, zero = self.advantages(total, raw, group_ids)
             mask = valid & ~zero if cfg.grpo.drop_zero_spread_groups else valid
+            adv, mask = self.ranks.local(adv, ro.group_size), self.ranks.local(mask, ro.group_size)
             t2 = time.perf_counter()
             ts = train_timesteps(ro.num_inference_steps, ro.timestep_fraction, ro.timestep_selection,
                                  generator_for(seed, "train", it))
             stats = grpo_update(st.policy, rt, traj, adv.to(st.device), mask.to(st.device), st.null, cfg.grpo, ts,
-                                cfg.train.batch_size, ro.guidance_scale, ro.noise_level, seed, it, self.perf)
+                                cfg.train.batch_size // self.ranks.dp_size, ro.guidance_scale, ro.noise_level,
+                                seed, it, self.perf)
             t3 = time.perf_counter()
         self.it = it = it + 1
         if bool(zero.all()):
@@ -236,7 +251,7 @@ class GRPORun:
                    "time_train_s": t3 - t2, "peak_rss_mb": peak_rss_mb()}
         self.logger.log(it, metrics)
         if cfg.eval.every and it % cfg.eval.every == 0:
-            st.grid(rt.sampling_model().eval(), cfg.eval, seed, ro.shift, f"heldout_iter_{it:05d}.png")
+            self.ranks.grid(st, rt.sampling_model().eval(), cfg.eval, seed, ro.shift, f"heldout_iter_{it:05d}.png")
         if it == cfg.train.steps or (cfg.checkpoint.every and it % cfg.checkpoint.every == 0):
             rt.save()
         return metrics
@@ -245,9 +260,10 @@ class GRPORun:
         """Final held-out grid, ``lora/`` and the merged ``export/``; returns the export folder."""
         self.scorer.close()
         final = self.rt.sampling_model().eval()
-        grid = self.st.grid(final, self.cfg.eval, self.seed, self.ro.shift, f"heldout_iter_{self.it:05d}.png")
+        grid = self.ranks.grid(self.st, final, self.cfg.eval, self.seed, self.ro.shift,
+                               f"heldout_iter_{self.it:05d}.png")
         self.logger.write(f"grid: {grid}")
-        out = self.st.finish(final)
+        out = self.ranks.export(self.st, final)
         self.logger.write(f"exported {out}")
         self.logger.close()
         return out

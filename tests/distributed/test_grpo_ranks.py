@@ -1,0 +1,123 @@
+"""GRPO on 2 gloo ranks vs 1 process on the same seeds (tiny preset, continuous reward: mean brightness).
+
+Both runs sample the same per-sample batches (rollout batch 8 = one rank's share of 4 prompts x group
+4) with one thread each, so iteration 1 (same weights) must give bitwise identical images, rewards
+and advantages. ``train.batch_size`` 16 makes one mini-batch of the whole buffer per iteration, so the
+update uses the same samples and normalisation on 1 and 2 ranks; only the order of float sums
+differs (FSDP2 reduce-scatter, per-rank partial sums), which iteration 2 and the exported adapter
+measure against the tolerances below."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pretrain.parallel.launch import run_ranks
+from tests.conftest import grpo_config
+
+REWARD = "tests.distributed.test_grpo_ranks:brightness"
+# Measured (torch 2.14 CPU, printed by the test): 6e-8, 7e-6, 2e-6; bounds ~10x above.
+ITER2_TOL = 1e-6  # max |reward difference| in iteration 2
+ADV2_TOL = 1e-4  # advantages divide by group stds of ~1e-2, amplifying the reward differences
+LORA_TOL = 2e-5  # exported adapter after 2 optimizer steps (lr 3e-3, lora_B reaches ~6e-3)
+
+
+def brightness(images, prompts=None, metadata=None):
+    """Mean pixel value float32 ``[B]`` of images ``[B, 3, H, W]`` in [0, 1]: a continuous reward."""
+    return images.float().mean(dim=(1, 2, 3))
+
+
+def _grpo(rank, world, export, run_dir):
+    import posttrain.grpo as grpo
+
+    cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4")
+    cfg.rewards = {REWARD: 1.0}
+    t0 = time.perf_counter()
+    run = grpo.GRPORun(cfg)
+    records, collect, advantages = [], grpo.collect_rollouts, run.advantages
+
+    def keep_rollout(*args, **kwargs):
+        traj = collect(*args, **kwargs)
+        records.append({"images": traj.images.clone(), "sample_ids": traj.sample_ids.clone()})
+        return traj
+
+    def keep_advantages(total, raw, group_ids):
+        out = advantages(total, raw, group_ids)
+        records[-1].update(total=total.clone(), group_ids=group_ids.clone(), adv=out[0].clone())
+        return out
+
+    grpo.collect_rollouts, run.advantages = keep_rollout, keep_advantages
+    for _ in range(2):
+        run.iteration()
+    out = run.finish()
+    seconds = time.perf_counter() - t0
+    lora = load_file(str(Path(run_dir) / "grpo" / "lora" / "pytorch_lora_weights.safetensors")) if rank == 0 else None
+    return {"records": records, "seconds": seconds, "export": str(out), "lora": lora,
+            "layout": run.ranks.describe()}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_export, tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo_ranks")
+    one = run_ranks(_grpo, str(tiny_export), str(d / "one"), world_size=1)[0]
+    two = run_ranks(_grpo, str(tiny_export), str(d / "two"), world_size=2)
+    return one, two
+
+
+def _global(two, it, key):
+    """Per-sample ``key`` of iteration ``it`` from both ranks, in sample order."""
+    return torch.cat([r["records"][it][key] for r in two])
+
+
+def test_two_ranks_sample_their_shares_of_the_single_process_batch(runs):
+    one, two = runs
+    assert "world 2" in two[0]["layout"] and one["layout"] == "ranks: 1 process"
+    for it in range(2):
+        assert torch.equal(_global(two, it, "sample_ids"), one["records"][it]["sample_ids"])
+        assert [len(r["records"][it]["sample_ids"]) for r in two] == [8, 8]
+    assert torch.equal(_global(two, 0, "images"), one["records"][0]["images"])
+
+
+def test_iteration_1_rewards_and_advantages_identical(runs):
+    one, two = runs
+    ref = one["records"][0]
+    assert ref["total"].std() > 1e-4  # a continuous reward with spread: advantages are not all 0
+    for r in two:  # every rank computed advantages on the gathered (single-process) tensors
+        rec = r["records"][0]
+        assert torch.equal(rec["group_ids"], ref["group_ids"])
+        assert torch.equal(rec["total"], ref["total"])
+        assert torch.equal(rec["adv"], ref["adv"])
+    assert ref["adv"].abs().max() > 0.5
+
+
+def test_iteration_2_within_tolerance_and_exports_match(runs, capsys):
+    one, two = runs
+    ref, rec = one["records"][1], two[0]["records"][1]
+    assert not torch.equal(ref["total"], one["records"][0]["total"])  # the policy moved
+    d_reward = (rec["total"] - ref["total"]).abs().max().item()
+    d_adv = (rec["adv"] - ref["adv"]).abs().max().item()
+    d_img = (_global(two, 1, "images") - ref["images"]).abs().max().item()
+    lora1, lora2 = one["lora"], two[0]["lora"]
+    assert set(lora1) == set(lora2) and lora1
+    d_lora = max((lora1[k] - lora2[k]).abs().max().item() for k in lora1)
+    moved = max(v.abs().max().item() for k, v in lora1.items() if "lora_B" in k)
+    with capsys.disabled():
+        print(f"\nGRPO 1 vs 2 ranks: iteration 2 max |d reward| {d_reward:.2e}, |d adv| {d_adv:.2e}, "
+              f"|d image| {d_img:.2e}; exported LoRA max |d| {d_lora:.2e} (largest lora_B {moved:.2e}); "
+              f"wall {one['seconds']:.1f} s (1 process) vs {two[0]['seconds']:.1f} s (2 ranks)")
+    assert d_reward <= ITER2_TOL and d_adv <= ADV2_TOL and d_lora <= LORA_TOL
+    assert moved > 10 * LORA_TOL  # the adapters trained: the comparison is not of zeros
+    assert two[0]["export"] == two[1]["export"] and any(Path(two[0]["export"]).iterdir())
+
+
+def test_final_images_of_a_group_are_pairwise_distinct(runs):
+    _, two = runs
+    images, groups = _global(two, 1, "images"), _global(two, 1, "sample_ids") // 4  # group of a global sample
+    for g in groups.unique():
+        members = images[groups == g]
+        assert len(members) == 4
+        for i in range(4):
+            for j in range(i + 1, 4):
+                assert (members[i] - members[j]).abs().max() > 1e-2, (int(g), i, j)
