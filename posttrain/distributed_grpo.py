@@ -20,6 +20,7 @@ does on several GPUs); see ``README.md`` (Distributed).
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,9 +51,11 @@ class RankLayout:
     def start_job(cls, parallel: ParallelConfig) -> RankLayout:
         """Join the ``torchrun`` process group if there is one (no-op in one process) and build the mesh
         when the world size is above 1. Raises ``ValueError`` naming the degrees when they do not
-        multiply to the world size (from :meth:`ParallelDims.resolved`)."""
+        multiply to the world size (from :meth:`ParallelDims.resolved`). Ranks other than 0 log warnings only."""
         device = init_distributed()
         world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1 and dist.get_rank() != 0:  # one copy of every info line (rank 0's)
+            logging.getLogger().setLevel(logging.WARNING)
         return cls(parallel.dims().build_mesh(device.type) if world > 1 else None, device)
 
     # -- who am I --------------------------------------------------------------------------------
