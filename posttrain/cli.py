@@ -1,6 +1,7 @@
 """The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo CONFIG [key=value ...]`), chain
 stages (`posttrain pipeline CONFIG`), sample (`posttrain sample MODEL ...`), evaluate
-(`posttrain eval MODEL [MODEL ...]`), serve rewards over HTTP (`posttrain serve-reward CONFIG`).
+(`posttrain eval MODEL [MODEL ...]`), serve rewards over HTTP (`posttrain serve-reward CONFIG`), train
+the learned_clip reward model (`posttrain train-reward CONFIG [key=value ...]`).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """
@@ -85,6 +86,17 @@ def _serve_reward(args) -> int:
     return 0
 
 
+def _train_reward(args) -> int:
+    import json
+
+    from posttrain.train_reward import TrainRewardConfig, train_reward
+    from pretrain.config import load_config
+
+    metrics = train_reward(load_config(TrainRewardConfig, args.config, args.overrides))
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -116,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     smp.set_defaults(func=_sample)
     ev = sub.add_parser("eval", help="paired ODE evaluation of export folders (same seeds for every model)")
     ev.add_argument("models", nargs="+")
-    ev.add_argument("--rewards", nargs="+", default=["jpeg_compressibility"])
+    ev.add_argument("--rewards", nargs="+", default=["jpeg_compressibility"],
+                    help="reward names; NAME@PATH passes path=PATH, e.g. learned_clip@runs/reward/learned_clip_b/model")
     ev.add_argument("--prompts", default="heldout", help="heldout, train, or a file with one prompt per line")
     ev.add_argument("--num-prompts", type=_positive, default=128)
     ev.add_argument("--samples-per-prompt", type=_positive, default=1)
@@ -131,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--host", default="127.0.0.1")
     sr.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed at start)")
     sr.set_defaults(func=_serve_reward)
+    tr = sub.add_parser("train-reward", help="train the learned_clip reward model from a YAML config")
+    tr.add_argument("config", help="YAML file (configs/reward/*.yaml)")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=5")
+    tr.set_defaults(func=_train_reward)
     return p
 
 

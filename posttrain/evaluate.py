@@ -29,7 +29,8 @@ from rewards.base import build_reward, check_reward_weights
 class EvalConfig:
     """``prompts``: "heldout", "train" or a text file (one prompt per line); ``num_prompts`` of them
     (evenly spaced); ``samples_per_prompt`` seeds each; ODE ``num_inference_steps`` and
-    ``guidance_scale``; ``guard_samples`` held-out images for the flow-matching-loss guard (0 = off)."""
+    ``guidance_scale``; ``guard_samples`` held-out images for the flow-matching-loss guard (0 = off).
+    ``rewards``: entries ``NAME`` or ``NAME@PATH`` (see ``parse_eval_reward``)."""
 
     rewards: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
     prompts: str = "heldout"
@@ -43,8 +44,20 @@ class EvalConfig:
     batch_size: int = 64
 
     def validate(self, prefix: str = "") -> None:
-        check_reward_weights({name: 1.0 for name in self.rewards}, f"{prefix}rewards")
+        for entry in self.rewards:
+            name, params = parse_eval_reward(entry, f"{prefix}rewards")
+            check_reward_weights({name: {"weight": 1.0, **params}}, f"{prefix}rewards")
         require_positive(self, prefix, "num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size")
+
+
+def parse_eval_reward(entry: str, key: str = "rewards") -> tuple[str, dict]:
+    """An eval reward entry -> (reward name, parameters): ``NAME`` takes no parameters; ``NAME@PATH``
+    passes ``path=PATH`` (a reward loading a model folder, e.g.
+    ``learned_clip@runs/reward/learned_clip_b/model``). ``ValueError`` naming ``key`` for an empty part."""
+    name, sep, path = entry.partition("@")
+    if not name or (sep and not path):
+        raise ValueError(f"{key}: '{entry}' must be NAME or NAME@PATH")
+    return name, ({"path": path} if sep else {})
 
 
 def paired_stats(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float, int]:
@@ -79,7 +92,10 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     Returns {"prompts", "rewards": {name: [K x P tensors per model]}, "guard": [...], "grids": [...]}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reward_fns = {name: build_reward(name) for name in cfg.rewards}
+    reward_fns = {}
+    for entry in cfg.rewards:
+        name, params = parse_eval_reward(entry)
+        reward_fns[entry] = build_reward(name, **params)
     results = {"models": models, "rewards": {n: [] for n in cfg.rewards}, "guard": [], "grids": []}
     prompts = None
     for m_i, path in enumerate(models):

