@@ -39,7 +39,8 @@ VARIANTS = {
     "+ uncond branch without graph": ["perf.merge_lora=false", "perf.reward_workers=0"],
     "+ LoRA merged for no-grad forwards": ["perf.reward_workers=0"],
     "+ reward scored during rollout": [],
-    "+ torch.compile per block": ["perf.compile=true"],
+    "+ all trained transitions in one forward": ["perf.transitions_per_forward=0"],
+    "+ torch.compile per block": ["perf.transitions_per_forward=0", "perf.compile=true"],
 }
 # Algorithm changes (not counted toward the comparison).
 TRADEOFFS = {"train 5 of 10 transitions": ["rollout.timestep_fraction=0.5"]}
@@ -85,13 +86,16 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
     run = GRPORun(cfg)
     for _ in range(warmup):
         run.iteration()
-    rows = [run.iteration() for _ in range(iterations)]
+    rows = []
+    for i in range(iterations):
+        rows.append(run.iteration())
+        print(f"    {name} iteration {i + 1}: {rows[-1]['samples_per_s']:.3f} samples/s", flush=True)
     flops = count_flops(run)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
     run.scorer.close()
     run.logger.close()
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"name": name, "flops": flops, **med, "peak_rss_mb": peak_rss_mb()}
+    return {"name": name, "flops": flops, "samples": run.n, **med, "peak_rss_mb": peak_rss_mb()}
 
 
 def main() -> None:
@@ -127,7 +131,7 @@ def main() -> None:
           "| train s | GFLOP/iter counted | CPU-MFU | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        it_s = 16 / r["samples_per_s"]
+        it_s = r["samples"] / r["samples_per_s"]
         mfu = useful / it_s / (shape_rate * 1e9)
         print(f"| {r['name']} | {r['samples_per_s']:.3f} | {r['samples_per_s'] / first:.2f}x | "
               f"{r['samples_per_s'] / flow_grpo_here:.2f}x | {r['time_rollout_s']:.2f} | {r['time_decode_s']:.2f} | "

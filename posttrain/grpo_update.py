@@ -41,30 +41,44 @@ class GRPOLossConfig:
             raise ValueError(f"{prefix}inner_epochs: must be >= 1")
 
 
-def transition_log_prob(model, traj: Trajectory, t: int, null: PromptEmbeds, guidance_scale: float,
+def transition_log_prob(model, traj: Trajectory, t: int | list[int], null: PromptEmbeds, guidance_scale: float,
                         noise_level: float, detach_uncond: bool = True, uncond_model=None,
                         uncond_in_batch: bool = False):
-    """Recompute transition ``t`` of ``traj`` under ``model``: the ``SDEStep`` whose ``prev_sample`` is
-    the recorded latent t + 1 (so ``log_prob`` is comparable with ``traj.log_probs[:, t]``).
-    ``uncond_model`` / ``uncond_in_batch``: see :func:`pretrain.guidance.guided_velocity`."""
-    sig = traj.sigmas.to(traj.latents.device)
-    x = traj.latents[:, t]
-    v = guided_velocity(model, x, sig[t].expand(x.shape[0]), traj.embeds, null, guidance_scale, detach_uncond,
-                        uncond_model, uncond_in_batch)
-    return sde_step(x, v, sig[t], sig[t + 1], noise_level, sig[1], prev_sample=traj.latents[:, t + 1])
+    """Recompute transition(s) ``t`` of ``traj`` under ``model``: the ``SDEStep`` whose ``prev_sample``
+    is the recorded next latent (so ``log_prob`` is comparable with ``traj.log_probs[:, t]``).
+
+    ``t``: one transition (rows = the B samples) or a list of k (one forward over k * B rows, ordered
+    transition-major: row j * B + i is sample i at transition t[j]). ``uncond_model`` /
+    ``uncond_in_batch``: see :func:`pretrain.guidance.guided_velocity`."""
+    ts = [t] if isinstance(t, int) else list(t)
+    dev = traj.latents.device
+    sig, idx, b = traj.sigmas.to(dev), torch.as_tensor(ts, device=dev), len(traj)
+    rows = (len(ts) * b, *traj.latents.shape[2:])
+    x = traj.latents[:, idx].transpose(0, 1).reshape(rows)
+    prev = traj.latents[:, idx + 1].transpose(0, 1).reshape(rows)
+    sigma, sigma_next = sig[idx].repeat_interleave(b), sig[idx + 1].repeat_interleave(b)
+    embeds = traj.embeds if len(ts) == 1 else PromptEmbeds.cat([traj.embeds] * len(ts))
+    v = guided_velocity(model, x, sigma, embeds, null, guidance_scale, detach_uncond, uncond_model, uncond_in_batch)
+    return sde_step(x, v, sigma, sigma_next, noise_level, sig[1], prev_sample=prev)
 
 
-def transition_loss(policy, traj: Trajectory, t: int, advantages: torch.Tensor, mask: torch.Tensor,
+def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: torch.Tensor, mask: torch.Tensor,
                     null: PromptEmbeds, cfg: GRPOLossConfig, guidance_scale: float, noise_level: float,
                     uncond_model=None, uncond_in_batch: bool = False):
-    """PPO-clip + beta * KL for transition ``t`` of a mini-batch; returns (float32 loss, stats).
-    ``uncond_model`` computes the detached unconditional branch (default: the policy itself)."""
-    st = transition_log_prob(policy.model, traj, t, null, guidance_scale, noise_level, cfg.detach_uncond,
+    """PPO-clip + beta * KL of a mini-batch, averaged over transition(s) ``t`` (one or a list, computed in
+    one forward); returns (float32 loss, stats). The mean over k transitions in one call equals the mean
+    of k single-transition losses. ``uncond_model`` computes the detached unconditional branch
+    (default: the policy itself)."""
+    ts = [t] if isinstance(t, int) else list(t)
+    k = len(ts)
+    st = transition_log_prob(policy.model, traj, ts, null, guidance_scale, noise_level, cfg.detach_uncond,
                              uncond_model, uncond_in_batch)
-    loss, stats = ppo_clip_loss(st.log_prob, traj.log_probs[:, t], advantages, cfg.clip_range, mask)
+    old = traj.log_probs[:, ts].transpose(0, 1).reshape(-1)
+    adv, mask = advantages.repeat(k), mask.repeat(k)
+    loss, stats = ppo_clip_loss(st.log_prob, old, adv, cfg.clip_range, mask)
     if cfg.beta > 0:
         with torch.no_grad(), policy.reference() as ref:
-            ref_mean = transition_log_prob(ref, traj, t, null, guidance_scale, noise_level).mean
+            ref_mean = transition_log_prob(ref, traj, ts, null, guidance_scale, noise_level).mean
         kl = kl_to_reference(st.mean, ref_mean, st.std_dev_t)
         w = mask.float()
         kl = (kl * w).sum() / w.sum().clamp(min=1.0)
@@ -73,15 +87,16 @@ def transition_loss(policy, traj: Trajectory, t: int, advantages: torch.Tensor, 
     return loss, stats
 
 
-def merge_stats(acc: dict, stats: dict, count: int) -> None:
-    """Fold one transition's stats into ``acc``: min / max for ratio_min / ratio_max, mean otherwise."""
+def merge_stats(acc: dict, stats: dict, weight: float) -> None:
+    """Fold one chunk of transitions' stats into ``acc``: min / max for ratio_min / ratio_max, a mean
+    weighted by ``weight`` (the chunk's share of the transitions) otherwise."""
     for key, v in stats.items():
         if key == "ratio_min":
             acc[key] = min(acc.get(key, v), v)
         elif key == "ratio_max":
             acc[key] = max(acc.get(key, v), v)
         else:
-            acc[key] = acc.get(key, 0.0) + v / count
+            acc[key] = acc.get(key, 0.0) + v * weight
 
 
 def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor,
@@ -103,13 +118,16 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
             mb = traj.select(idx)
             mb_stats: dict[str, float] = {}
             uncond = policy.inference_model(runtime.step) if perf.merge_lora else None
-            for t in timesteps:
+            per = perf.transitions_per_forward or len(timesteps)
+            for c in range(0, len(timesteps), per):
+                chunk = timesteps[c:c + per]
+                share = len(chunk) / len(timesteps)
                 with runtime.autocast():
-                    loss, stats = transition_loss(policy, mb, t, advantages[idx], mask[idx], null, cfg,
+                    loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx], null, cfg,
                                                   guidance_scale, noise_level, uncond, perf.uncond_in_batch)
-                runtime.backward(loss / len(timesteps))
-                pending += loss.item() / len(timesteps) / accum
-                merge_stats(mb_stats, stats, len(timesteps))
+                runtime.backward(loss * share)
+                pending += loss.item() * share / accum
+                merge_stats(mb_stats, stats, share)
             if (k + 1) % accum == 0:
                 mb_stats.update(runtime.optimizer_step(pending))
                 mb_stats["loss"] = pending

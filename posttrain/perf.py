@@ -17,23 +17,38 @@ class PerfConfig:
     drift from 1, so it is ignored there). ``uncond_in_batch``: run the detached
     unconditional branch inside the conditional forward as one 2B batch with a graph (flow_grpo's layout:
     the same gradient, a backward over both halves; off by default, kept as the baseline).
+    ``transitions_per_forward``: trained transitions of a mini-batch computed in one forward/backward
+    (k x batch rows; 1 = one transition at a time as flow_grpo does, 0 = all at once): the same loss
+    (the mean over transitions) and gradients, bigger matrix products, k times the activation memory.
     ``compile``: ``torch.compile`` each transformer block (policy, merged copy; first iterations are
     slower while it compiles). ``reward_workers``: threads scoring rewards while the next rollout batch
     is sampled (0 = score after the whole rollout)."""
 
     merge_lora: bool = True
     uncond_in_batch: bool = False
+    transitions_per_forward: int = 1
     compile: bool = False
     reward_workers: int = 1
 
     def validate(self, prefix: str = "") -> None:
+        if self.transitions_per_forward < 0:
+            raise ValueError(f"{prefix}transitions_per_forward: must be >= 0 (0 = all), got "
+                             f"{self.transitions_per_forward}")
         if self.reward_workers < 0:
             raise ValueError(f"{prefix}reward_workers: must be >= 0, got {self.reward_workers}")
 
 
 def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile`` every block of ``model.transformer.transformer_blocks`` in place (torchtitan's
-    per-block compile: one graph reused by all blocks of the same shape); returns ``model``."""
+    per-block compile); returns ``model``. GRPO calls a block in several guises (with and without
+    gradients, adapters on and off, the merged copy, batch B and 2B), each a graph of its own, so the
+    recompile limit is raised to keep them all compiled."""
+    import torch._dynamo
+
+    dyn = torch._dynamo.config
+    for key in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dyn, key):
+            setattr(dyn, key, max(getattr(dyn, key), 64))
     for block in model.transformer.transformer_blocks:
         block.compile()
     return model

@@ -59,10 +59,10 @@ class VAECodec:
         self.downsample = 2 ** (len(cfg.block_out_channels) - 1)
 
     @classmethod
-    def from_pretrained(cls, path: str, subfolder: str = "vae") -> "VAECodec":
+    def from_pretrained(cls, path: str, subfolder: str = "vae", device: str = "cpu") -> "VAECodec":
         from diffusers import AutoencoderKL
 
-        return cls(AutoencoderKL.from_pretrained(path, subfolder=subfolder))
+        return cls(AutoencoderKL.from_pretrained(path, subfolder=subfolder).to(device))
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
@@ -89,12 +89,13 @@ class CodecConfig:
     subfolder: str = "vae"
 
 
-def build_codec(cfg: CodecConfig) -> Codec:
-    """Build a codec; ``ValueError`` for an unknown name or a VAE without a path."""
+def build_codec(cfg: CodecConfig, device: str = "cpu") -> Codec:
+    """Build a codec (a VAE's weights on ``device``); ``ValueError`` for an unknown name or a VAE
+    without a path."""
     if cfg.name == "patchify":
         return PatchifyCodec(cfg.factor)
     if cfg.name == "vae":
         if not cfg.path:
             raise ValueError("codec.path: required for the 'vae' codec (a local diffusers folder)")
-        return VAECodec.from_pretrained(cfg.path, cfg.subfolder)
+        return VAECodec.from_pretrained(cfg.path, cfg.subfolder, device)
     raise ValueError(f"codec.name: unknown codec '{cfg.name}' (known: patchify, vae)")

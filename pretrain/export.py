@@ -56,5 +56,5 @@ def load_exported(path: str | Path, device: str = "cpu"):
     meta = json.loads((path / META).read_text())
     transformer = SD3Transformer2DModel.from_pretrained(path).to(device).eval()
     encoder = text_encoder_from_config(TextEncoderConfig(**meta["text_encoder"]), device=device)
-    codec = build_codec(CodecConfig(**meta["codec"]))
+    codec = build_codec(CodecConfig(**meta["codec"]), device=device)
     return SD3Adapter(transformer), encoder, codec, meta

@@ -110,7 +110,7 @@ def train(cfg: PretrainConfig) -> Path:
     encoder = text_encoder_from_config(cfg.text_encoder)
     train_set, held = build_datasets(cfg.data, encoder)
     null = encoder.encode([""]).to(device)
-    codec = build_codec(cfg.codec)
+    codec = build_codec(cfg.codec, device=str(device))
     size = cfg.data.size // codec.downsample
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed_for(cfg.train.seed, "init"))  # weights depend on the seed only

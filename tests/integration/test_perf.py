@@ -17,17 +17,21 @@ from tests.conftest import grpo_config
 from tests.integration.test_grpo import NOISE, SCALE, STEPS, _rollout, _setup
 
 
-def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch):
+def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch, per):
+    """The mini-batch loss over transitions 0..STEPS-2 and the LoRA gradients, ``per`` transitions per
+    forward (1 = one at a time, as flow_grpo)."""
     policy.model.train()
     policy.model.zero_grad(set_to_none=True)
     adv = torch.linspace(0.5, 1.5, len(traj))  # one sign, so the loss is O(1) and a relative bound means something
     mask = torch.ones(len(traj), dtype=torch.bool)
+    ts = list(range(STEPS - 1))
     total = 0.0
-    for t in range(STEPS - 1):
-        loss, _ = transition_loss(policy, traj, t, adv, mask, null, GRPOLossConfig(clip_range=1e-4, beta=0.04),
+    for c in range(0, len(ts), per):
+        chunk = ts[c:c + per]
+        loss, _ = transition_loss(policy, traj, chunk, adv, mask, null, GRPOLossConfig(clip_range=1e-4, beta=0.04),
                                   SCALE, NOISE, uncond_model, uncond_in_batch)
-        loss.backward()
-        total += loss.item()
+        (loss * len(chunk) / len(ts)).backward()
+        total += loss.item() * len(chunk) / len(ts)
     grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
     return total, grads
 
@@ -39,14 +43,16 @@ def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
         for name, p in model.named_parameters():
             if "lora_A" in name:
                 p.add_(0.01 * torch.randn_like(p))
-    plain_loss, plain = _loss_and_grads(policy, traj, null, None, True)  # flow_grpo: one 2B forward, uncond detached
-    fast_loss, fast = _loss_and_grads(policy, traj, null, policy.inference_model(0), False)
-    assert abs(fast_loss - plain_loss) <= 1e-5 * abs(plain_loss)
-    assert plain.keys() == fast.keys() and len(plain) > 0
+    # flow_grpo: one transition per forward, one 2B forward with the unconditional half detached
+    plain_loss, plain = _loss_and_grads(policy, traj, null, None, True, 1)
     scale = max(g.abs().max() for g in plain.values())
-    assert scale > 0
-    worst = max((fast[n] - plain[n]).abs().max() for n in plain)
-    assert worst <= 1e-5 * scale, (worst, scale)
+    assert scale > 0 and len(plain) > 0
+    for per in (1, 2, STEPS - 1):  # LoRA-merged no-graph unconditional branch; 1, 2 and all transitions per forward
+        fast_loss, fast = _loss_and_grads(policy, traj, null, policy.inference_model(0), False, per)
+        assert abs(fast_loss - plain_loss) <= 1e-5 * abs(plain_loss), per
+        assert plain.keys() == fast.keys()
+        worst = max((fast[n] - plain[n]).abs().max() for n in plain)
+        assert worst <= 1e-5 * scale, (per, worst, scale)
 
 
 def test_merged_copy_follows_the_policy(tiny_export):
