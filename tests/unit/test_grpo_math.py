@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from posttrain.advantages import group_advantages
+from posttrain.advantages import group_advantages, per_reward_advantages
 from posttrain.evaluate import paired_stats
 from posttrain.losses import kl_to_reference, ppo_clip_loss
 from rewards.base import CompositeReward, weighted_sum
@@ -105,3 +105,22 @@ def test_paired_stats_clustered_by_prompt():
     d, se, _ = paired_stats(base[:, :1], torch.tensor([[2.0], [2.0], [6.0]]))
     # differences [1, 0, 3]: mean 4/3, sd 1.5275, se 0.8819
     assert d == pytest.approx(4 / 3) and se == pytest.approx(1.527525 / math.sqrt(3), abs=1e-5)
+
+
+def test_per_reward_advantages_are_scale_free_and_skip_nan():
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    a = torch.tensor([1.0, 2.0, 3.0, 0.0, 5.0, 1.0])
+    b = torch.tensor([3.0, 1.0, 2.0, 2.0, 2.0, float("nan")])
+    w = {"a": 1.0, "b": 0.5}
+    adv, valid, zero = per_reward_advantages({"a": a, "b": b}, w, groups)
+    ga, gb = group_advantages(a, groups)[0], group_advantages(b, groups)[0]
+    # group 0: both rewards present -> (1 * A_a + 0.5 * A_b) * 1.5 / 1.5; group 1: b has zero spread among its
+    # finite values (advantage 0 but valid), sample 5 has no b -> only a, renormalised to the full weight
+    torch.testing.assert_close(adv[:3], ga[:3] * 1.0 + gb[:3] * 0.5)
+    torch.testing.assert_close(adv[3:5], ga[3:5] * 1.0)
+    torch.testing.assert_close(adv[5], ga[5] * 1.5)
+    assert valid.all() and not zero.any()
+    scaled, _, _ = per_reward_advantages({"a": a * 1000.0, "b": b}, w, groups)
+    torch.testing.assert_close(scaled, adv, atol=1e-3, rtol=0)  # scale-free up to the 1e-4 in (std + 1e-4)
+    summed = group_advantages(weighted_sum({"a": a * 1000.0, "b": b}, w), groups)[0]
+    assert (summed - adv).abs().max() > 0.1  # unlike the weighted sum before advantages
