@@ -107,3 +107,25 @@ def test_profile_steps_write_a_chrome_trace(tiny_export, tmp_path):
     events = trace["traceEvents"]
     assert any(e.get("name", "").startswith("aten::") for e in events)
     assert "peak RSS" in (out / "step_2_memory.txt").read_text()
+
+
+def test_async_scoring_overlaps_the_callers_work():
+    def remote_like(images, prompts, metadata=None):  # 0.2 s of waiting per batch, as a served reward
+        time.sleep(0.2)
+        r = images.flatten(1).mean(1)
+        return r, {"mean": r}
+
+    images = torch.rand(4, 3, 2, 2)
+    for workers, bound in ((1, (0.0, 0.1)), (0, (0.0, 0.05))):
+        scorer = AsyncScorer(remote_like, workers=workers)
+        t0 = time.perf_counter()
+        for start in range(4):
+            scorer.submit(images[start:start + 1], [""])
+            time.sleep(0.2)  # the next rollout batch samples meanwhile
+        total, _ = scorer.gather()
+        elapsed = time.perf_counter() - t0
+        scorer.close()
+        torch.testing.assert_close(total, images.flatten(1).mean(1))
+        assert bound[0] <= scorer.wait_seconds <= bound[1]  # threaded: the last batch is already scored
+        # threaded: ~0.8 s (scoring hidden behind the caller's work); synchronous: ~1.6 s
+        assert elapsed < 1.2 if workers else elapsed >= 1.6, (workers, elapsed)
