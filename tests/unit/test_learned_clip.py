@@ -87,3 +87,14 @@ def test_train_half_splits_disjointly():
     assert not a & b and a | b == set(full.captions)
     assert 0.4 < len(a) / len(full) < 0.6
     assert halves[0][1].captions == halves[1][1].captions == held.captions
+
+
+def test_eval_reward_entries_take_a_path():
+    from posttrain.evaluate import EvalConfig, parse_eval_reward
+
+    assert parse_eval_reward("learned_clip@runs/x/model") == ("learned_clip", {"path": "runs/x/model"})
+    assert parse_eval_reward("jpeg_compressibility") == ("jpeg_compressibility", {})
+    EvalConfig(rewards=["learned_clip@runs/x/model", "jpeg_compressibility"]).validate()
+    for bad, msg in (["learned_clip@"], "NAME@PATH"), (["learned_clip"], "bad parameters"), (["jpeg_compressibility@x"], "bad parameters"):
+        with pytest.raises(ValueError, match=msg):
+            EvalConfig(rewards=bad).validate("eval.")
