@@ -228,7 +228,8 @@ class GRPORun:
                 traj = collect_rollouts(sampler, codec, st.train_set, mine,
                                         ro.group_size, ro.batch_size, st.null, self.sigmas, ro.noise_level,
                                         ro.guidance_scale, self.latent_shape, seed, it, st.device, offset,
-                                        on_batch=lambda b: self.scorer.submit(b.images, b.prompts))
+                                        on_batch=lambda b: self.scorer.submit(b.images, b.prompts,
+                                                                              {"sample_ids": b.sample_ids}))
             t1 = time.perf_counter()
             total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
             adv, valid, zero = self.advantages(total, raw, group_ids)
@@ -239,7 +240,7 @@ class GRPORun:
                                  generator_for(seed, "train", it))
             stats = grpo_update(st.policy, rt, traj, adv.to(st.device), mask.to(st.device), st.null, cfg.grpo, ts,
                                 cfg.train.batch_size // self.ranks.dp_size, ro.guidance_scale, ro.noise_level,
-                                seed, it, self.perf)
+                                seed, it, self.perf, self.ranks.mesh.dp_group if self.ranks.distributed else None)
             t3 = time.perf_counter()
         self.it = it = it + 1
         if bool(zero.all()):

@@ -102,10 +102,14 @@ def merge_stats(acc: dict, stats: dict, weight: float) -> None:
 def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor,
                 null: PromptEmbeds, cfg: GRPOLossConfig, timesteps: list[int], mini_batch_size: int,
                 guidance_scale: float, noise_level: float, seed: int, iteration: int,
-                perf: PerfConfig | None = None) -> list[dict]:
+                perf: PerfConfig | None = None, dp_group=None) -> list[dict]:
     """Inner epochs over ``traj`` in mini-batches shuffled by (seed, "shuffle", iteration, epoch);
     ``runtime.cfg.grad_accum`` mini-batches per optimizer step. Returns per-mini-batch stats.
-    ``perf``: speed options (:class:`posttrain.perf.PerfConfig`; same loss and gradients)."""
+    ``perf``: speed options (:class:`posttrain.perf.PerfConfig`; same loss and gradients).
+    ``dp_group``: the data-parallel process group when this rank trains its share of the samples; the
+    loss is then rescaled by dp x (local valid count) / (global valid count), so that the gradient FSDP
+    averages over ranks is the mean over all ranks' valid samples even when ranks mask different
+    numbers of them (NaN rewards, dropped groups)."""
     perf = perf or PerfConfig()
     n = len(traj)
     accum = runtime.cfg.grad_accum
@@ -118,6 +122,7 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
             mb = traj.select(idx)
             mb_stats: dict[str, float] = {}
             uncond = policy.inference_model(runtime.step) if perf.merge_lora else None
+            weight = _global_count_weight(mask[idx], dp_group)
             per = perf.transitions_per_forward or len(timesteps)
             for c in range(0, len(timesteps), per):
                 chunk = timesteps[c:c + per]
@@ -125,7 +130,7 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
                 with runtime.autocast():
                     loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx], null, cfg,
                                                   guidance_scale, noise_level, uncond, perf.uncond_in_batch)
-                runtime.backward(loss * share)
+                runtime.backward(loss * share * weight)
                 pending += loss.item() * share / accum
                 merge_stats(mb_stats, stats, share)
             if (k + 1) % accum == 0:
@@ -134,3 +139,18 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
                 pending = 0.0
             out.append(mb_stats)
     return out
+
+
+def _global_count_weight(mask: torch.Tensor, dp_group) -> float:
+    """dp x (valid samples here) / (valid samples over the group), 1 without a group or when no rank
+    has a valid sample (then every loss is 0 anyway)."""
+    if dp_group is None:
+        return 1.0
+    import torch.distributed as dist
+
+    count = mask.float().sum().reshape(1)
+    total = count.clone()
+    dist.all_reduce(total, group=dp_group)
+    if float(total) == 0.0:
+        return 1.0
+    return dist.get_world_size(dp_group) * float(count) / float(total)

@@ -147,3 +147,40 @@ def test_sequence_parallel_full_finetuning_matches_single_process_rollout(runs, 
               f"iteration 2 SP rank 0 vs 1 {d_sp:.2e}; wall {sp_full[0]['seconds']:.1f} s")
     assert d_sp == 0.0  # the SP ranks hold one model and gather full outputs: the same samples bitwise
     assert sp_full[0]["lora"] is None and Path(sp_full[0]["export"], "diffusion_pytorch_model.safetensors").is_file()
+
+
+NAN_IDS = (0, 1, 2)  # samples of rank 0's share only: rank 0 trains 5 valid samples, rank 1 8
+
+
+def brightness_some_nan(images, prompts=None, metadata=None):
+    """Mean brightness, NaN for the global samples ``NAN_IDS`` (from ``metadata["sample_ids"]``)."""
+    r = images.float().mean(dim=(1, 2, 3))
+    nan = torch.isin(metadata["sample_ids"], torch.tensor(NAN_IDS))
+    return torch.where(nan, torch.full_like(r, float("nan")), r)
+
+
+def _grpo_nan(rank, world, export, run_dir):
+    import posttrain.grpo as grpo
+
+    cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4")
+    cfg.rewards = {"tests.distributed.test_grpo_ranks:brightness_some_nan": 1.0}
+    run = grpo.GRPORun(cfg)
+    for _ in range(2):
+        run.iteration()
+    run.finish()
+    lora = Path(run_dir) / "grpo" / "lora" / "pytorch_lora_weights.safetensors"
+    return load_file(str(lora)) if rank == 0 else None
+
+
+def test_uneven_valid_counts_give_the_single_process_update(tiny_export, tmp_path, capsys):
+    """Ranks masking different numbers of samples (NaN rewards) still train on the mean over all valid
+    samples: each rank's loss is rescaled by dp x local count / global count before FSDP averages."""
+    one = run_ranks(_grpo_nan, str(tiny_export), str(tmp_path / "one"), world_size=1)[0]
+    two = run_ranks(_grpo_nan, str(tiny_export), str(tmp_path / "two"), world_size=2)[0]
+    assert set(one) == set(two) and one
+    d = max((one[k] - two[k]).abs().max().item() for k in one)
+    moved = max(v.abs().max().item() for k, v in one.items() if "lora_B" in k)
+    with capsys.disabled():
+        print(f"\nGRPO 1 vs 2 ranks, 5 and 8 valid samples per rank: exported LoRA max |d| {d:.2e} "
+              f"(largest lora_B {moved:.2e})")
+    assert d <= LORA_TOL and moved > 10 * LORA_TOL
