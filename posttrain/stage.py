@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from posttrain.policy import Policy
 from pretrain.codec import CodecConfig
@@ -14,6 +15,7 @@ from pretrain.config import save_config
 from pretrain.data.dataset import EncodedSet, build_datasets
 from pretrain.evaluation import write_grid
 from pretrain.export import export_model, load_exported, require_export
+from pretrain.parallel.job import JobRanks
 from pretrain.runtime.runtime import resolve_device
 from pretrain.seeding import seed_for
 from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
@@ -46,7 +48,8 @@ class PolicyStage:
         device = resolve_device(cfg.train.device)
         run = Path(cfg.run_dir) / name
         run.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run / "config.yaml")
+        if not dist.is_initialized() or dist.get_rank() == 0:  # one writer under torchrun
+            save_config(cfg, run / "config.yaml")
         model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
         train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
         null = encoder.encode([""]).to(device)
@@ -68,3 +71,18 @@ class PolicyStage:
         return export_model(self.policy.merged_transformer(final), self.run / "export",
                             TextEncoderConfig(**m["text_encoder"]), CodecConfig(**m["codec"]), m["image_size"],
                             m["sampling"])
+
+
+@dataclass
+class StageRanks(JobRanks):
+    """:class:`JobRanks` with a post-training stage's collective outputs (GRPO and DPO share them)."""
+
+    def grid(self, st: PolicyStage, model: torch.nn.Module, eval_cfg, seed: int, shift: float, name: str) -> Path:
+        """``st.grid`` on every rank (the sharded forwards are collectives); only rank 0's file is kept.
+        Returns rank 0's path."""
+        return self.write_on_main(lambda run: replace(st, run=run).grid(model, eval_cfg, seed, shift, name), st.run)
+
+    def export(self, st: PolicyStage, final: torch.nn.Module) -> Path:
+        """``st.finish`` (``lora/`` + merged ``export/``) of ``final``; when sharded, from a rank-0
+        unsharded copy (collective), other ranks wait. Returns the export folder on every rank."""
+        return self.export_on_main(st.finish, final, st.run / "export")

@@ -15,6 +15,8 @@ from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
 from pretrain.export import export_model
 from pretrain.models import ModelConfig, SD3Adapter, build_transformer, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise, pretrain_loss
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.job import JobRanks
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.runtime import Runtime, resolve_device
@@ -42,7 +44,9 @@ class EvalConfig:
 
 @dataclass
 class PretrainConfig:
-    """Everything `posttrain pretrain` reads; outputs go to ``<run_dir>/pretrain/``."""
+    """Everything `posttrain pretrain` reads; outputs go to ``<run_dir>/pretrain/``. ``train.batch_size``
+    is the global micro-batch: under ``torchrun`` each data-parallel rank takes its contiguous share
+    (``batch_size / dp``) of every micro-batch; ``parallel``: degrees and FSDP2 options."""
 
     run_dir: str = "runs/pretrain"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -55,6 +59,7 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self, prefix: str = "") -> None:
         from pretrain.models import SD3_PRESETS
@@ -72,41 +77,58 @@ class PretrainConfig:
                 raise ValueError(f"data.size: {self.data.size} is not divisible by the patch size {patch}")
 
 
-def batch_arithmetic(cfg: RuntimeConfig, n_train: int, world: int = 1) -> str:
-    per_step = cfg.batch_size * cfg.grad_accum * world
-    return (f"batch: {per_step} samples/step = micro-batch {cfg.batch_size} x accumulation {cfg.grad_accum} "
-            f"x {world} process(es); {n_train} train samples -> {n_train / per_step:.1f} optimizer steps/epoch; "
+def batch_arithmetic(cfg: RuntimeConfig, n_train: int, dp: int = 1) -> str:
+    """The start-up line: samples per optimizer step = global micro-batch x accumulation (``dp``
+    data-parallel ranks split each micro-batch, they do not multiply it)."""
+    per_step = cfg.batch_size * cfg.grad_accum
+    ranks = f" (split over {dp} data-parallel ranks: {cfg.batch_size // dp} each)" if dp > 1 else ""
+    return (f"batch: {per_step} samples/step = micro-batch {cfg.batch_size}{ranks} x accumulation {cfg.grad_accum}"
+            f"; {n_train} train samples -> {n_train / per_step:.1f} optimizer steps/epoch; "
             f"{cfg.steps} steps = {cfg.steps * per_step / n_train:.2f} epochs")
 
 
-def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, null, cfg: PretrainConfig, device) -> dict:
-    """One optimizer step over ``train.grad_accum`` micro-batches; per-sample noise keyed by
-    (seed, step, index within the step). Returns the step's metrics."""
+def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, null, cfg: PretrainConfig, device,
+               ranks: JobRanks | None = None) -> dict:
+    """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` samples;
+    every rank draws the same indices and trains its ``ranks.share`` of each, with per-sample noise keyed
+    by (seed, step, index within the step), so N ranks train what one process trains. ``loss`` is the
+    mean over the global batch (all-reduced). Returns the step's metrics."""
     step, t0 = rt.step, time.perf_counter()
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
+    lo, hi = ranks.share(b) if ranks else (0, b)
     model.train()
     loss_sum = 0.0
     for micro in range(accum):
-        images, embeds, _ = data.batch(sampler.next(b))
+        images, embeds, _ = data.batch(sampler.next(b)[lo:hi])
         x0 = codec.encode(images.to(device))
-        noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b, (micro + 1) * b), cfg.flow)
+        noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b + lo, micro * b + hi),
+                                                 cfg.flow)
         with rt.autocast():
             loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop)
         rt.backward(loss)
         loss_sum += loss.item()
+    if ranks:  # every rank's guard must see the same loss
+        loss_sum, = ranks.mean([loss_sum])
     metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum)}
     metrics["samples_per_s"] = b * accum / (time.perf_counter() - t0)
     return metrics
 
 
 def train(cfg: PretrainConfig) -> Path:
-    """Run pretraining; returns the export folder. Resumes when ``checkpoint.resume`` is set."""
+    """Run pretraining; returns the export folder. Resumes when ``checkpoint.resume`` is set. Under
+    ``torchrun`` one job over the ranks (FSDP2; rank 0 logs and writes grids and the export); raises
+    ``ConfigError`` for EMA on several ranks or a ``train.batch_size`` the data-parallel degree does not divide."""
+    ranks = JobRanks.start_job(cfg.parallel)  # a no-op in one process
+    ranks.refuse_ema(cfg.train.ema_decay)
+    ranks.require_divisible("train.batch_size", cfg.train.batch_size,
+                            "the global micro-batch; each rank trains its contiguous share")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
+    device = ranks.device if ranks.distributed else resolve_device(cfg.train.device)
     run = Path(cfg.run_dir) / "pretrain"
     run.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run / "config.yaml")
+    if ranks.is_main:
+        save_config(cfg, run / "config.yaml")
     encoder = text_encoder_from_config(cfg.text_encoder)
     train_set, held = build_datasets(cfg.data, encoder)
     null = encoder.encode([""]).to(device)
@@ -116,15 +138,18 @@ def train(cfg: PretrainConfig) -> Path:
         torch.manual_seed(seed_for(cfg.train.seed, "init"))  # weights depend on the seed only
         transformer = build_transformer(cfg.model, size, codec.channels, encoder.dim, encoder.pooled_dim)
     model = SD3Adapter(transformer).to(device)
+    n_params = count_parameters(model)
+    ranks.shard(model, None, cfg.parallel)
     sampler = EpochSampler(len(train_set), cfg.train.seed)
     rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
                  stateful={"sampler": sampler})
     resumed = rt.start(cfg.checkpoint.resume)
-    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "heldout_loss"))
-    logger.write(f"model: {count_parameters(model) / 1e6:.2f} M params; data: {len(train_set)} train / "
+    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "heldout_loss"),
+                           enabled=ranks.is_main)
+    logger.write(f"model: {n_params / 1e6:.2f} M params; data: {len(train_set)} train / "
                  f"{len(held)} held-out; device {device}; precision {cfg.train.precision}"
                  + (f"; resumed from {resumed}" if resumed else ""))
-    logger.write(batch_arithmetic(cfg.train, len(train_set)))
+    logger.write(batch_arithmetic(cfg.train, len(train_set), ranks.dp_size) + f"; ranks: {ranks.layout()}")
 
     def guard(m) -> float:
         return heldout_loss(m, codec, held, null, cfg.flow, cfg.train.seed, cfg.eval.heldout_samples, device)
@@ -132,7 +157,7 @@ def train(cfg: PretrainConfig) -> Path:
     if rt.step == 0:
         logger.log(0, {"heldout_loss": guard(model)}, advance=False)
     while rt.step < cfg.train.steps:
-        metrics = train_step(model, rt, train_set, sampler, codec, null, cfg, device)
+        metrics = train_step(model, rt, train_set, sampler, codec, null, cfg, device, ranks)
         if metrics["nonfinite"]:
             logger.write(f"step {rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "
                          f"({metrics['nonfinite_total']} so far)")
@@ -143,14 +168,16 @@ def train(cfg: PretrainConfig) -> Path:
         logger.log(rt.step, metrics)
         if cfg.eval.grid_every and (rt.step % cfg.eval.grid_every == 0 or done):
             e = cfg.eval
-            write_grid(sampling, codec, held, null, e.grid_prompts, cfg.train.seed, e.num_inference_steps,
-                       e.guidance_scale, e.shift, device, run / "samples" / f"heldout_step_{rt.step:06d}.png")
+            ranks.write_on_main(lambda root: write_grid(
+                sampling, codec, held, null, e.grid_prompts, cfg.train.seed, e.num_inference_steps, e.guidance_scale,
+                e.shift, device, root / "samples" / f"heldout_step_{rt.step:06d}.png"), run)
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()
     sampling = rt.sampling_model().eval()
-    out = export_model(sampling.transformer, run / "export", cfg.text_encoder, cfg.codec, cfg.data.size,
-                       {"num_inference_steps": cfg.eval.num_inference_steps,
-                        "guidance_scale": cfg.eval.guidance_scale, "shift": cfg.eval.shift})
+    sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps, "guidance_scale": cfg.eval.guidance_scale,
+                     "shift": cfg.eval.shift}
+    out = ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", cfg.text_encoder, cfg.codec,
+                                                      cfg.data.size, sampling_meta), sampling, run / "export")
     logger.write(f"exported {out}")
     logger.close()
     return out

@@ -1,0 +1,143 @@
+"""One training job over the ranks ``torchrun`` started: what every trainer's rank needs to know and do.
+
+:class:`JobRanks` joins the process group (a no-op in one process), builds the mesh, refuses what
+does not shard (EMA), gives this rank's contiguous share of a global batch (``shard_bounds`` over the
+data-parallel ranks; sequence-parallel ranks of one group get the same share), averages logged
+scalars over the data-parallel ranks, shards the model (Ulysses SP, then FSDP2), and runs the
+collective outputs (grids, exports) on every rank while only rank 0 writes. In one process every
+method is the identity or a plain call, so single-process runs are unchanged bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from pretrain.config import ConfigError
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.data import shard_bounds
+from pretrain.parallel.dims import Mesh
+from pretrain.parallel.export import unsharded_copy
+from pretrain.parallel.fsdp import parallelize
+from pretrain.parallel.launch import init_distributed
+
+T = TypeVar("T")
+
+
+@dataclass
+class JobRanks:
+    """This process's place in the job: ``mesh`` is None in a single process (world size 1)."""
+
+    mesh: Mesh | None
+    device: torch.device
+
+    @classmethod
+    def start_job(cls, parallel: ParallelConfig, **fields):
+        """Join the ``torchrun`` process group if there is one and build the mesh when the world size is
+        above 1 (or 1 with ``parallel.always_shard`` under ``torchrun``). Raises ``ValueError`` naming the degrees when they do not multiply to the world size.
+        Ranks other than 0 log warnings only. ``fields``: a subclass's extra dataclass fields."""
+        device = init_distributed()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1 and dist.get_rank() != 0:  # one copy of every info line (rank 0's)
+            logging.getLogger().setLevel(logging.WARNING)
+        sharded = world > 1 or (parallel.always_shard and dist.is_initialized())
+        return cls(parallel.dims().build_mesh(device.type) if sharded else None, device, **fields)
+
+    # -- who am I --------------------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size if self.mesh else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank if self.mesh else 0
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (the only rank that logs and writes files)."""
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def layout(self) -> str:
+        """"world N = dp_replicate a x dp_shard b x sp c", or "1 process"."""
+        if not self.mesh:
+            return "1 process"
+        d = self.mesh.dims
+        return f"world {dist.get_world_size()} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x sp {d.sp}"
+
+    # -- config checks ---------------------------------------------------------------------------
+    def refuse_ema(self, ema_decay: float) -> None:
+        """``ConfigError`` when EMA (``train.ema_decay`` > 0) is asked for on more than one rank: the EMA
+        copy (``AveragedModel``) deep-copies the model, which an FSDP2-sharded model does not support."""
+        if self.mesh and ema_decay > 0:
+            raise ConfigError(f"train.ema_decay={ema_decay}: EMA of an FSDP2-sharded model is not supported "
+                              f"(AveragedModel deep-copies the model); use train.ema_decay=0 with more than one rank")
+
+    def require_divisible(self, key: str, value: int, why: str) -> None:
+        """``ConfigError`` naming ``key`` unless the data-parallel degree divides ``value``."""
+        if value % self.dp_size:
+            raise ConfigError(f"{key}={value} must be divisible by the {self.dp_size} data-parallel ranks ({why})")
+
+    # -- data ------------------------------------------------------------------------------------
+    def share(self, n: int) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's contiguous share of a global batch of ``n`` samples
+        (``(0, n)`` in one process; ``ValueError`` unless the data-parallel degree divides ``n``)."""
+        return shard_bounds(n, self.dp_rank, self.dp_size)
+
+    def mean(self, values: list[float]) -> list[float]:
+        """Each of ``values`` averaged over the data-parallel ranks (all-reduce, float64); unchanged in one
+        process. With equal shares, the mean of per-rank means is the mean over the global batch."""
+        if not self.mesh or self.dp_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.mesh.dp_group)
+        return (t / self.dp_size).tolist()
+
+    # -- setup -----------------------------------------------------------------------------------
+    def shard(self, model: torch.nn.Module, reference: torch.nn.Module | None, parallel: ParallelConfig,
+              compile_blocks: bool = False) -> None:
+        """Ulysses SP (``parallel.sp`` > 1), then FSDP2 on ``model`` (peft adapters already added) and on
+        a frozen full-fine-tuning ``reference`` if any. ``compile_blocks`` joins ``parallel.compile``: one
+        per-block compile, in torchtitan's order. No-op in one process."""
+        if not self.mesh:
+            return
+        if self.mesh.sp_size > 1:
+            from pretrain.parallel.sequence import enable_sequence_parallel
+
+            for m in (model, reference):
+                if m is not None:
+                    enable_sequence_parallel(m, self.mesh.sp_group)
+        pcfg = replace(parallel, compile=parallel.compile or compile_blocks)
+        parallelize(model, self.mesh, pcfg)
+        if reference is not None:
+            parallelize(reference, self.mesh, pcfg)
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def write_on_main(self, write: Callable[[Path], Path], root: Path) -> Path:
+        """``write(root)`` on rank 0; on other ranks ``write`` runs into a temporary folder that is then
+        deleted (a sharded model's forwards are collectives, so every rank must run them). Returns rank
+        0's path (``write``'s result, re-rooted at ``root`` on other ranks)."""
+        if self.is_main:
+            return write(root)
+        with tempfile.TemporaryDirectory() as d:
+            out = write(Path(d))
+            return root / out.relative_to(d)
+
+    def export_on_main(self, write: Callable[[torch.nn.Module], T], model: torch.nn.Module, default: T) -> T:
+        """``write(model)`` in one process; when sharded, ``write`` of a rank-0 unsharded CPU copy
+        (collective gather) while other ranks wait at a barrier and return ``default``."""
+        if not self.mesh:
+            return write(model)
+        plain = unsharded_copy(model)
+        out = write(plain) if plain is not None else default
+        dist.barrier()
+        return out
