@@ -4,6 +4,12 @@ Pairs come from a local Pick-a-Pic-schema dataset (``source: offline``) or from 
 (``source: online``: K samples per prompt, scored, best vs worst above a margin, re-sampled every
 ``online.resample_every`` steps). Each step draws one (noise, sigma) per pair, shared by winner and
 loser, and applies :func:`posttrain.dpo_loss.diffusion_dpo_loss` on velocity errors.
+
+Under ``torchrun`` it is one job: the policy (and a full fine-tuning reference) is FSDP2-sharded,
+``train.batch_size`` is the global number of pairs per micro-batch and each data-parallel rank trains
+its contiguous share (pair noise keyed by the global pair index, so N ranks train what one process
+trains). Online rounds are sampled and scored identically on every rank (the same prompts and seeds:
+every rank holds the whole pair set, no gather), then sliced like offline pairs; rank 0 logs and writes.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
 from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 from posttrain.policy import Policy, PolicyConfig
-from posttrain.stage import PolicyStage
+from posttrain.stage import PolicyStage, StageRanks
 from pretrain.data.dataset import DataConfig, EpochSampler
 from pretrain.models import ModelConfig, count_parameters
 from pretrain.guidance import drop_condition
 from pretrain.objective import FlowConfig, draw_training_noise
+from pretrain.parallel.config import ParallelConfig
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.runtime import Runtime
@@ -108,7 +115,8 @@ class DPOEvalConfig:
 @dataclass
 class DPOConfig:
     """`posttrain dpo` config. ``train.steps``: optimizer steps; ``train.batch_size``: pairs per
-    micro-batch. Outputs go to ``<run_dir>/dpo/``."""
+    micro-batch, global (split over the data-parallel ranks under ``torchrun``; ``parallel``: degrees
+    and FSDP2 options). Outputs go to ``<run_dir>/dpo/``."""
 
     run_dir: str = "runs/dpo"
     source: str = "online"
@@ -124,6 +132,7 @@ class DPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: DPOEvalConfig = field(default_factory=DPOEvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self, prefix: str = "") -> None:
         if not self.model.pretrained:
@@ -188,19 +197,26 @@ def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig,
 
 
 def dpo_step(policy: Policy, rt: Runtime, codec, pairs: PairSet, sampler: EpochSampler, cfg: DPOConfig,
-             null: PromptEmbeds, step: int, device) -> dict:
-    """One optimizer step over ``train.grad_accum`` micro-batches of ``train.batch_size`` pairs."""
+             null: PromptEmbeds, step: int, device, ranks: StageRanks | None = None) -> dict:
+    """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` pairs;
+    every rank draws the same pair indices and trains its ``ranks.share``. ``loss`` and the pair stats
+    are averaged over the data-parallel ranks (the global mean: equal shares)."""
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
+    lo, hi = ranks.share(b) if ranks else (0, b)
     policy.model.train()
     loss_sum, stats_sum = 0.0, {}
     for micro in range(accum):
         with rt.autocast():
-            loss, stats = pair_loss(policy, codec, pairs.select(sampler.next(b)), cfg.dpo, null, cfg.train.seed,
-                                    step, micro * b, device)
+            loss, stats = pair_loss(policy, codec, pairs.select(sampler.next(b)[lo:hi]), cfg.dpo, null,
+                                    cfg.train.seed, step, micro * b + lo, device)
         rt.backward(loss)
         loss_sum += loss.item() / accum
         for k, v in stats.items():
             stats_sum[k] = stats_sum.get(k, 0.0) + v / accum
+    if ranks:  # every rank's guard must see the same loss
+        keys = sorted(stats_sum)
+        loss_sum, *values = ranks.mean([loss_sum, *(stats_sum[k] for k in keys)])
+        stats_sum = dict(zip(keys, values))
     return {"loss": loss_sum, **stats_sum, **rt.optimizer_step(loss_sum)}
 
 
@@ -222,7 +238,13 @@ def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet 
 def train(cfg: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the merged export folder (``<run>/dpo/export``; adapter in ``lora/``)."""
     on = cfg.online
+    ranks = StageRanks.start_job(cfg.parallel)  # a no-op in one process
+    ranks.refuse_ema(cfg.train.ema_decay)
+    ranks.require_divisible("train.batch_size", cfg.train.batch_size,
+                            "pairs per global micro-batch; each rank trains its contiguous share")
     st = PolicyStage.setup(cfg, "dpo")
+    n_trainable = count_parameters(st.model, trainable_only=True)
+    ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel)
     model, encoder, codec, meta, device, seed = st.model, st.encoder, st.codec, st.meta, st.device, cfg.train.seed
     train_set, null, policy, run = st.train_set, st.null, st.policy, st.run
     prompts = EpochSampler(len(train_set), seed)
@@ -234,10 +256,11 @@ def train(cfg: DPOConfig) -> Path:
     rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
     rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last, stateful)
     resumed = rt.start(cfg.checkpoint.resume)
-    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"))
-    logger.write(f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable; source {cfg.source}; "
+    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),
+                           enabled=ranks.is_main)
+    logger.write(f"policy: {n_trainable / 1e3:.1f} k trainable; source {cfg.source}; "
                  f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
-                 f"{cfg.train.grad_accum} per step" + (f"; resumed from {resumed}" if resumed else ""))
+                 f"{cfg.train.grad_accum} per step; ranks: {ranks.layout()}" + (f"; resumed from {resumed}" if resumed else ""))
 
     def heldout_acc() -> dict:
         if cfg.source != "offline" or held_pairs is None:
@@ -265,7 +288,7 @@ def train(cfg: DPOConfig) -> Path:
             else:
                 logger.write(f"step {step}: no reward gap above online.margin={on.margin} in this round "
                              f"(all samples scored alike); keeping the previous round's pairs")
-        metrics.update(dpo_step(policy, rt, codec, pairs, pair_sampler, cfg, null, step, device))
+        metrics.update(dpo_step(policy, rt, codec, pairs, pair_sampler, cfg, null, step, device, ranks))
         done = rt.step == cfg.train.steps
         if cfg.source == "offline" and (done or (cfg.eval.every and rt.step % cfg.eval.every == 0)):
             metrics.update(heldout_acc())
@@ -273,9 +296,9 @@ def train(cfg: DPOConfig) -> Path:
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()
     final = rt.sampling_model().eval()
-    grid = st.grid(final, cfg.eval, seed, meta["sampling"]["shift"], f"heldout_step_{rt.step:06d}.png")
+    grid = ranks.grid(st, final, cfg.eval, seed, meta["sampling"]["shift"], f"heldout_step_{rt.step:06d}.png")
     logger.write(f"grid: {grid}")
-    out = st.finish(final)
+    out = ranks.export(st, final)
     logger.write(f"exported {out}")
     logger.close()
     return out
