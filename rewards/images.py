@@ -17,13 +17,21 @@ def check_images(images: torch.Tensor, prompts: list[str] | None, name: str, nee
         raise ValueError(f"{name}: expects one prompt per image, got {n} prompts for {images.shape[0]} images")
 
 
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """float ``[B, 3, H, W]`` in [0, 1] -> uint8 ``[B, 3, H, W]`` on the CPU (clamped, rounded to
+    nearest): the one 8-bit conversion every reward and the HTTP transport use. ``ValueError`` for any
+    other shape."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"expected images [B, 3, H, W] in [0, 1], got shape {tuple(images.shape)}")
+    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
 def to_pil(images: torch.Tensor) -> list:
     """float ``[B, 3, H, W]`` in [0, 1] (values outside are clamped) -> ``B`` RGB ``PIL.Image`` (uint8,
-    rounded)."""
+    rounded, as :func:`to_uint8`)."""
     from PIL import Image
 
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    return [Image.fromarray(a) for a in arr]
+    return [Image.fromarray(a) for a in to_uint8(images).permute(0, 2, 3, 1).contiguous().numpy()]
 
 
 def freeze(module: torch.nn.Module, device: str | torch.device = "cpu",

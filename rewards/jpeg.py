@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import torch
 
 from rewards.base import register
+from rewards.images import to_pil
 
 
 def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     """float32 ``[B]``: JPEG size in kB of each image (float ``[B, 3, H, W]`` in [0, 1])."""
-    from PIL import Image
-
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"jpeg reward expects images [B, 3, H, W] in [0, 1], got shape {tuple(images.shape)}")
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     sizes = []
-    for a in arr:
+    for img in to_pil(images):
         buf = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(a)).save(buf, format="JPEG", quality=quality)
+        img.save(buf, format="JPEG", quality=quality)
         sizes.append(buf.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 

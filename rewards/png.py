@@ -14,19 +14,13 @@ import io
 import numpy as np
 import torch
 
+from rewards.images import to_uint8
+
 
 def quantise(images: torch.Tensor) -> torch.Tensor:
     """float32 ``[B, 3, H, W]`` in [0, 1] -> the same images on the uint8 grid (float32, values k/255).
     This is what a reward behind HTTP receives; compare in-process scores against it."""
     return to_uint8(images).float() / 255.0
-
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """float ``[B, 3, H, W]`` in [0, 1] -> uint8 ``[B, 3, H, W]`` (clamped, rounded to nearest);
-    ``ValueError`` for any other shape (videos ``[B, F, 3, H, W]`` are not sent over HTTP)."""
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"expected images [B, 3, H, W] in [0, 1], got shape {tuple(images.shape)}")
-    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
 def encode_png_b64(images: torch.Tensor) -> list[str]:
