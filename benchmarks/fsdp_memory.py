@@ -40,7 +40,7 @@ def measure(rank: int, world: int, preset: str, lora_rank: int) -> dict:
     if lora_rank:
         from peft import LoraConfig
 
-        from posttrain.policy import SD3_ATTENTION
+        from pretrain.models import SD3_ATTENTION
 
         model.requires_grad_(False)
         model.transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=SD3_ATTENTION))

@@ -45,7 +45,7 @@ def main() -> None:
     sigmas = sigma_schedule(a.steps)
 
     def euler(it: int):
-        noise = initial_noise(a.batch, 3, a.size, 0, step=it, device=dev)
+        noise = initial_noise(a.batch, (3, a.size, a.size), 0, step=it, device=dev)
         return codec.decode(sample_latents(model, embeds.to(dev), null.to(dev), noise, a.steps, a.guidance_scale))
 
     def sde(it: int):

@@ -66,8 +66,7 @@ def _sample(args) -> int:
     steps = args.steps if args.steps is not None else s["num_inference_steps"]
     scale = args.guidance_scale if args.guidance_scale is not None else s["guidance_scale"]
     embeds, null = encoder.encode(args.prompts), encoder.encode([""])
-    size = meta["image_size"] // codec.downsample
-    noise = initial_noise(len(args.prompts), codec.channels, size, args.seed, device=device)
+    noise = initial_noise(len(args.prompts), codec.latent_shape(meta["image_size"], meta["image_size"]), args.seed, device=device)
     with torch.no_grad():
         latents = sample_latents(model, embeds.to(device), null.to(device), noise, steps, scale, s["shift"])
     out = args.out or os.path.join(args.model, "..", "samples", f"sample_seed{args.seed}.png")

@@ -133,8 +133,7 @@ def online_pairs(model, codec, prompts, prompt_idx: list[int], samples_per_promp
     (None if none qualify) and stats (reward mean/std, pairs kept)."""
     k = samples_per_prompt
     n = len(prompt_idx) * k
-    size = prompts.images.shape[-1] // codec.downsample
-    noise = initial_noise(n, codec.channels, size, seed, step=round_, stream="rollout", device=device)
+    noise = initial_noise(n, codec.latent_shape(*prompts.images.shape[-2:]), seed, step=round_, stream="rollout", device=device)
     rows = [prompt_idx[i // k] for i in range(n)]
     images = []
     for s in range(0, n, batch_size):

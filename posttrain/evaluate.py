@@ -106,10 +106,9 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         null = encoder.encode([""]).to(device)
         embeds = encoder.encode(prompts)
         k, p = cfg.samples_per_prompt, len(prompts)
-        size = meta["image_size"] // codec.downsample
         images = []
         for j in range(k):  # seed of (prompt i, sample j): global index j * P + i, same for every model
-            noise = initial_noise(p * (j + 1), codec.channels, size, cfg.seed, device=device)[j * p:]
+            noise = initial_noise(p * (j + 1), codec.latent_shape(meta["image_size"], meta["image_size"]), cfg.seed, device=device)[j * p:]
             for s in range(0, p, cfg.batch_size):
                 sl = slice(s, min(p, s + cfg.batch_size))
                 lat = sample_latents(model, embeds[sl].to(device), null, noise[sl], cfg.num_inference_steps,

@@ -28,7 +28,6 @@ from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.profiling import ProfileConfig, StepProfiler, peak_rss_mb
 from pretrain.runtime.runtime import Runtime
-from pretrain.schedule import sigma_schedule
 from pretrain.seeding import generator_for
 from rewards.base import CompositeReward, check_reward_weights
 from rewards.scoring import AsyncScorer
@@ -189,9 +188,8 @@ class GRPORun:
                                total_steps=cfg.train.steps * self.opt_per_iter)
         resumed = rt.start(cfg.checkpoint.resume)
         self.it = rt.step // self.opt_per_iter
-        self.sigmas = sigma_schedule(ro.num_inference_steps, ro.shift)
-        size = meta["image_size"] // st.codec.downsample
-        self.latent_shape = (st.codec.channels, size, size)
+        self.sigmas = st.model.sigmas(ro.num_inference_steps, ro.shift)
+        self.latent_shape = st.codec.latent_shape(meta["image_size"], meta["image_size"])
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
         self.logger = MetricsLogger(st.run, cfg.train.steps, self.it, cfg.wandb, asdict(cfg), ("reward_mean", "kl"),
                                     enabled=ranks.is_main)

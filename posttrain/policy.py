@@ -5,29 +5,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SD3_ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                 "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 
 
 @dataclass
 class PolicyConfig:
     """``lora_rank`` > 0: LoRA (Hu et al. 2021) of that rank with ``lora_alpha`` on ``target_modules``
     (peft, ``init_lora_weights`` "gaussian" as Flow-GRPO: B = 0 so the policy starts equal to the
-    reference). ``lora_rank`` = 0: full fine-tuning with a frozen copy as reference."""
+    reference). ``target_modules``: None = the adapter's ``lora_targets`` (its family's attention
+projections). ``lora_rank`` = 0: full fine-tuning with a frozen copy as reference."""
 
     lora_rank: int = 8
     lora_alpha: float = 16.0
     init_lora_weights: str = "gaussian"
-    target_modules: list[str] = field(default_factory=lambda: list(SD3_ATTENTION))
+    target_modules: list[str] | None = None
 
 
 class Policy:
-    """Wraps an ``SD3Adapter``-like ``model`` whose ``.transformer`` is a diffusers model."""
+    """Wraps a :class:`pretrain.backbone.Backbone` ``model`` whose ``.transformer`` is a diffusers model."""
 
     def __init__(self, model: torch.nn.Module, cfg: PolicyConfig):
         self.model, self.cfg = model, cfg
@@ -38,7 +37,8 @@ class Policy:
             model.requires_grad_(False)
             init = True if cfg.init_lora_weights == "default" else cfg.init_lora_weights
             model.transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                                     init_lora_weights=init, target_modules=list(cfg.target_modules)))
+                                                     init_lora_weights=init,
+                                                     target_modules=list(cfg.target_modules or model.lora_targets)))
             self.frozen_reference = None
         else:
             self.frozen_reference = copy.deepcopy(model).requires_grad_(False).eval()
@@ -94,7 +94,7 @@ class MergedCopy:
         t = copy.deepcopy(model.transformer)
         t.fuse_lora()
         t.unload_lora()
-        self.model = type(model)(t).requires_grad_(False).eval()
+        self.model = model.with_transformer(t).requires_grad_(False).eval()
         self.pairs = [(m, t.get_submodule(name)) for name, m in model.transformer.named_modules()
                       if isinstance(m, LoraLayer)]
         self.version: int | None = None

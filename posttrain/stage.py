@@ -14,6 +14,7 @@ from pretrain.codec import CodecConfig
 from pretrain.config import save_config
 from pretrain.data.dataset import EncodedSet, build_datasets
 from pretrain.evaluation import write_grid
+from pretrain.families import export_pipeline, save_pipeline_lora
 from pretrain.export import export_model, load_exported, require_export
 from pretrain.parallel.job import JobRanks
 from pretrain.runtime.runtime import resolve_device
@@ -50,7 +51,8 @@ class PolicyStage:
         run.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized() or dist.get_rank() == 0:  # one writer under torchrun
             save_config(cfg, run / "config.yaml")
-        model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device))
+        model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device),
+                                                    options=cfg.model.options)
         train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
         null = encoder.encode([""]).to(device)
         with torch.random.fork_rng(devices=[]):
@@ -65,9 +67,15 @@ class PolicyStage:
                           self.run / "samples" / name)
 
     def finish(self, final: torch.nn.Module) -> Path:
-        """Write ``lora/`` (adapter) and ``export/`` (LoRA merged) from ``final``; returns the export."""
-        self.policy.save_adapter(self.run / "lora", final)
+        """Write ``lora/`` (adapter) and ``export/`` (LoRA merged) from ``final``; returns the export.
+        A model family's run exports a whole diffusers pipeline folder and the LoRA in its pipeline's
+        ``load_lora_weights`` format (:mod:`pretrain.families`)."""
         m = self.meta
+        if "family" in m:
+            if self.policy.lora:
+                save_pipeline_lora(final.transformer, m, self.run / "lora")
+            return export_pipeline(self.policy.merged_transformer(final), m, self.run / "export")
+        self.policy.save_adapter(self.run / "lora", final)
         return export_model(self.policy.merged_transformer(final), self.run / "export",
                             TextEncoderConfig(**m["text_encoder"]), CodecConfig(**m["codec"]), m["image_size"],
                             m["sampling"])

@@ -14,10 +14,13 @@ import torch.nn.functional as F
 
 class Codec(Protocol):
     """``encode(images [B, 3, H, W] float in [0, 1]) -> latents [B, C, h, w]``;
-    ``decode(latents) -> images [B, 3, H, W] float32 in [0, 1]``."""
+    ``decode(latents) -> images [B, 3, H, W] float32 in [0, 1]``; ``latent_shape(H, W)``: one
+    sample's latent shape (video codecs: ``[C, F', h, w]`` and images ``[B, F, 3, H, W]``)."""
 
     channels: int
     downsample: int
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]: ...
 
     def encode(self, images: torch.Tensor) -> torch.Tensor: ...
 
@@ -35,6 +38,9 @@ class PatchifyCodec:
         self.factor = factor
         self.channels = 3 * factor * factor
         self.downsample = factor
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.channels, height // self.downsample, width // self.downsample)
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         x = images * 2 - 1
@@ -63,6 +69,9 @@ class VAECodec:
         from diffusers import AutoencoderKL
 
         return cls(AutoencoderKL.from_pretrained(path, subfolder=subfolder).to(device))
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.channels, height // self.downsample, width // self.downsample)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:

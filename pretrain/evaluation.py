@@ -42,7 +42,6 @@ def write_grid(model, codec, data: EncodedSet, null, num_prompts: int, seed: int
     and faces both appear) with fixed per-prompt seeds; write a labelled PNG grid."""
     idx = spread_indices(len(data), num_prompts)
     images, embeds, captions = data.batch(idx)
-    size = images.shape[-1] // codec.downsample
-    noise = initial_noise(len(idx), codec.channels, size, seed, device=device)
+    noise = initial_noise(len(idx), codec.latent_shape(*images.shape[-2:]), seed, device=device)
     latents = sample_latents(model, embeds.to(device), null, noise, num_inference_steps, guidance_scale, shift)
     return save_grid(codec.decode(latents), captions, path)

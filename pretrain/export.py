@@ -35,22 +35,36 @@ def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder
 
 
 def require_export(path: str | None, key: str = "model.pretrained") -> Path:
-    """``ConfigError`` naming ``key`` unless ``path`` is an export folder of this project."""
+    """``ConfigError`` naming ``key`` unless ``path`` is an export folder of this project or a diffusers
+    pipeline folder of a known family (:mod:`pretrain.families`)."""
     from pretrain.config import ConfigError
+    from pretrain.families import FAMILIES, pipeline_class
 
     if not path:
-        raise ConfigError(f"{key}: required (an export folder written by `posttrain pretrain`)")
+        raise ConfigError(f"{key}: required (an export folder written by `posttrain pretrain`, or a local "
+                          f"diffusers pipeline folder)")
+    cls = pipeline_class(path)
+    if cls is not None:
+        if cls not in FAMILIES:
+            raise ConfigError(f"{key}: '{path}' is a {cls} folder; supported pipelines: {sorted(FAMILIES)}")
+        return Path(path)
     if not (Path(path) / META).is_file():
-        raise ConfigError(f"{key}: '{path}' is not an export folder (no {META}); run the previous stage first")
+        raise ConfigError(f"{key}: '{path}' is not an export folder (no {META}) nor a diffusers pipeline folder "
+                          f"(no model_index.json); run the previous stage first")
     return Path(path)
 
 
-def load_exported(path: str | Path, device: str = "cpu"):
-    """Load an exported folder: returns (adapter, text encoder, codec, meta dict). Raises
-    ``FileNotFoundError`` naming the folder if it is not an export of this project."""
+def load_exported(path: str | Path, device: str = "cpu", options: dict | None = None):
+    """Load an exported folder, or a diffusers pipeline folder through its family
+    (:func:`pretrain.families.load_pipeline`, with ``options``): returns (adapter, text encoder,
+    codec, meta dict). Raises ``FileNotFoundError`` naming the folder if it is neither."""
     from diffusers import SD3Transformer2DModel
 
+    from pretrain.families import load_pipeline, pipeline_class
+
     path = Path(path)
+    if pipeline_class(path) is not None:
+        return load_pipeline(path, device, options)
     if not (path / META).is_file():
         raise FileNotFoundError(f"{path}: no {META} (expected a folder written by `posttrain pretrain`)")
     meta = json.loads((path / META).read_text())

@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
+from pretrain.backbone import Backbone
 from pretrain.text_encoder import PromptEmbeds
+
+SD3_ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                 "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 
 # Pixel-space presets; joint/pooled dims come from the text encoder at build time.
 SD3_PRESETS: dict[str, dict[str, Any]] = {
@@ -26,24 +30,27 @@ SD3_PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class ModelConfig:
     """Backbone choice. ``preset`` names an entry of ``SD3_PRESETS``; ``pretrained`` is a local diffusers
-    folder (transformer weights) that overrides the preset; ``overrides`` patch preset fields."""
+    folder (transformer weights) that overrides the preset; ``overrides`` patch preset fields.
+    Post-training stages take ``pretrained`` = an export of this project or a diffusers pipeline folder
+    of a known family (:mod:`pretrain.families`), loaded with ``options`` (e.g. ``image_size``,
+    ``num_frames``, ``guidance``, ``max_sequence_length``: see the family's ``load``)."""
 
     preset: str = "tiny"
     pretrained: str | None = None
     subfolder: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
-class SD3Adapter(torch.nn.Module):
+class SD3Adapter(Backbone):
     """Wraps ``SD3Transformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) -> v``.
 
-    The velocity is returned in float32 whatever the model dtype."""
+    The velocity is returned in float32 whatever the model dtype. The project's own presets use it
+    with :func:`pretrain.schedule.sigma_schedule`; :mod:`pretrain.families.sd3` subclasses it for
+    SD3/SD3.5 pipeline folders."""
 
     timestep_scale = 1000.0
-
-    def __init__(self, transformer: torch.nn.Module):
-        super().__init__()
-        self.transformer = transformer
+    lora_targets = SD3_ATTENTION
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """SD3 convention: timestep = sigma * 1000."""

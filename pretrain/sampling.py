@@ -8,28 +8,31 @@ import torch
 
 from pretrain.flow import euler_sample
 from pretrain.guidance import guided_velocity
-from pretrain.schedule import sigma_schedule
 from pretrain.seeding import randn_per_sample
 from pretrain.text_encoder import PromptEmbeds
 
 
-def initial_noise(n: int, channels: int, size: int, seed: int, step: int = 0, stream: str = "sample",
+def initial_noise(n: int, shape: tuple[int, ...], seed: int, step: int = 0, stream: str = "sample",
                   device="cpu") -> torch.Tensor:
-    """Noise ``[n, channels, size, size]`` float32; sample i drawn from (seed, stream, step, i), so a
-    prompt's image does not depend on the batch it is sampled in."""
-    return randn_per_sample((channels, size, size), seed, step, range(n), stream=stream, device=device)
+    """Noise ``[n, *shape]`` float32 (``shape``: one sample's latent shape, e.g. ``[C, h, w]`` or
+    ``[C, F, h, w]``); sample i drawn from (seed, stream, step, i), so a prompt's image does not depend
+    on the batch it is sampled in."""
+    return randn_per_sample(tuple(shape), seed, step, range(n), stream=stream, device=device)
 
 
 @torch.no_grad()
 def sample_latents(model, embeds: PromptEmbeds, null_embeds: PromptEmbeds, noise: torch.Tensor,
                    num_inference_steps: int = 20, guidance_scale: float = 4.0, shift: float = 1.0) -> torch.Tensor:
-    """Euler ODE from sigma = 1 to 0 with CFG against ``null_embeds`` (the empty prompt, ``[1, ...]``).
+    """Euler ODE over ``model.sigmas(num_inference_steps, shift)`` (from sigma = 1, or the family's
+    first sigma, to 0) with CFG against ``null_embeds`` (the empty prompt, ``[1, ...]``).
 
-    ``model(x, sigma [B], embeds) -> v``. One batched forward of 2B samples per step when
+    ``model``: a :class:`pretrain.backbone.Backbone`. ``noise``: unit Gaussian ``[B, ...]``, scaled by
+    ``model.initial_scale`` into the first state. One batched forward of 2B samples per step when
     ``guidance_scale != 1``. Returns latents like ``noise``."""
-    sigmas = sigma_schedule(num_inference_steps, shift)
+    sigmas = model.sigmas(num_inference_steps, shift)
     cond, null = embeds.to(noise.device), null_embeds.to(noise.device)
-    return euler_sample(lambda x, s: guided_velocity(model, x, s, cond, null, guidance_scale), noise, sigmas)
+    x = noise * model.initial_scale(float(sigmas[0]))
+    return euler_sample(lambda x, s: guided_velocity(model, x, s, cond, null, guidance_scale), x, sigmas)
 
 
 def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols: int = 8, scale: int = 3) -> Path:

@@ -31,10 +31,11 @@ def sde_rollout(model, codec, embeds: PromptEmbeds, null_embeds: PromptEmbeds, p
                 device: torch.device) -> Trajectory:
     """Sample one batch with the SDE and record every latent and log-prob.
 
-    ``model(x, sigma, embeds) -> v``; ``sigmas`` from :func:`pretrain.schedule.sigma_schedule`."""
+    ``model``: a :class:`pretrain.backbone.Backbone`; ``sigmas``: its ``model.sigmas(...)``. The first
+    state is the unit noise times ``model.initial_scale(sigmas[0])``."""
     num_steps = len(sigmas) - 1
     x, z = rollout_noise(latent_shape, num_steps, seed, step, sample_ids)
-    x, z = x.to(device), z.to(device)
+    x, z = x.to(device) * model.initial_scale(float(sigmas[0])), z.to(device)
     embeds = embeds.to(device)
     null = null_embeds.to(device)
     sig = sigmas.to(device)

@@ -1,0 +1,98 @@
+"""Real model families, loaded from local diffusers pipeline folders (``model_index.json``).
+
+Each family is one module here with the same three functions, picked by the folder's pipeline class:
+
+- ``load(path: Path, device: str, options: dict) -> (model, encoder, codec, meta)``: ``model`` is a
+  :class:`pretrain.backbone.Backbone` (velocity in flow coordinates, the pipeline scheduler's sigmas),
+  ``encoder.encode(prompts) -> PromptEmbeds`` reproduces the pipeline's ``encode_prompt`` (and
+  ``encode([""])`` its unconditional embedding), ``codec`` its VAE; ``meta`` as an export's
+  ``posttrain.json`` (``family``, ``pipeline``, ``image_size``, ``sampling``, ``options``).
+- ``COMPONENT``: the pipeline component holding the denoiser (``transformer`` or ``unet``).
+
+Export and LoRA files are written by :func:`export_pipeline` / :func:`save_pipeline_lora`, so a result
+loads back with the family's diffusers pipeline (``from_pretrained``; ``load_lora_weights``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+#: diffusers pipeline class -> family module under ``pretrain.families``.
+FAMILIES = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "WanPipeline": "wan",
+    "StableDiffusionPipeline": "unet",
+    "StableDiffusionXLPipeline": "unet",
+}
+META = "posttrain.json"
+
+
+def pipeline_class(path: str | Path) -> str | None:
+    """The ``_class_name`` of ``path/model_index.json``; None if the folder has none."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return None
+    return json.loads(index.read_text()).get("_class_name")
+
+
+def family_of(path: str | Path):
+    """The family module for the pipeline folder ``path``. Raises ``ValueError`` naming the folder and
+    its pipeline class when no family handles it."""
+    cls = pipeline_class(path)
+    if cls not in FAMILIES:
+        raise ValueError(f"{path}: pipeline class '{cls}' has no model family here (known: {sorted(FAMILIES)})")
+    return importlib.import_module(f"pretrain.families.{FAMILIES[cls]}")
+
+
+def load_pipeline(path: str | Path, device: str = "cpu", options: dict | None = None):
+    """Load a pipeline folder through its family: ``(model, encoder, codec, meta)``. ``options`` (e.g.
+    ``image_size``) override those recorded in the folder's ``posttrain.json`` when it is one of our
+    exports."""
+    path = Path(path)
+    recorded = json.loads((path / META).read_text()).get("options", {}) if (path / META).is_file() else {}
+    return family_of(path).load(path, device, {**recorded, **dict(options or {})})
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
+    """Write a complete pipeline folder: the source folder ``meta["source"]`` (files hard-linked where
+    possible) with ``denoiser`` saved (``save_pretrained``, safetensors) as its ``meta["component"]``,
+    plus ``posttrain.json``. Written to a temporary name, then renamed. Returns ``out_dir``."""
+    out, src, comp = Path(out_dir), Path(meta["source"]), meta["component"]
+    tmp = out.with_name(f".tmp_{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy,
+                    ignore=lambda d, names: [n for n in names if Path(d) == src and n in (comp, META)])
+    denoiser.save_pretrained(tmp / comp, safe_serialization=True)
+    (tmp / META).write_text(json.dumps({**meta, "source": str(out.resolve())}, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def save_pipeline_lora(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
+    """Write ``denoiser``'s peft LoRA adapter with the pipeline class's ``save_lora_weights`` (keys
+    prefixed by the component, ``pytorch_lora_weights.safetensors``), the file its
+    ``load_lora_weights`` reads."""
+    import diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    pipe_cls = getattr(diffusers, meta["pipeline"])
+    layers = get_peft_model_state_dict(denoiser)
+    pipe_cls.save_lora_weights(str(out_dir), **{f"{meta['component']}_lora_layers": layers},
+                               safe_serialization=True)
+    return Path(out_dir)
