@@ -1,0 +1,32 @@
+"""Tiny tokenizers of the real classes for tiny pipeline folders (no downloads): a byte-level BPE
+``CLIPTokenizer`` and a ``T5TokenizerFast`` (also what UMT5 pipelines load) over a small unigram
+vocabulary."""
+
+from __future__ import annotations
+
+from tests.unit.tiny_reward_models import tiny_clip_tokenizer
+
+
+def clip_tokenizer(model_max_length: int = 77):
+    """``CLIPTokenizer`` (vocab ~520 ids) with ``model_max_length`` (pipelines pad/truncate to it)."""
+    tok = tiny_clip_tokenizer()
+    tok.model_max_length = model_max_length
+    return tok
+
+
+def t5_tokenizer(model_max_length: int = 512):
+    """``T5TokenizerFast`` over a unigram vocabulary of ``<pad>``, ``</s>``, ``<unk>``, the lowercase
+    letters, digits and a few words (with and without the metaspace prefix); ids < 100."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    pieces += [("\u2581" + w, -1.0) for w in ("a", "red", "apple", "face", "flag", "cat", "the", "of", "moving")]
+    tk = Tokenizer(models.Unigram(pieces, unk_id=2))
+    tk.normalizer = normalizers.Lowercase()
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    tok = T5TokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                          extra_ids=0, model_max_length=model_max_length)
+    return tok
