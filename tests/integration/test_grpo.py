@@ -154,3 +154,15 @@ def test_grpo_resume_is_bitwise_identical(tiny_export, tmp_path):
     ra = [r["reward_mean"] for r in read_metrics(tmp_path / "a/grpo/metrics.jsonl")]
     rb = [r["reward_mean"] for r in read_metrics(tmp_path / "b/grpo/metrics.jsonl")]
     assert ra == rb and len(ra) == 2
+
+
+def test_grpo_runs_on_a_prompt_file(tiny_export, tmp_path):
+    # data.source=prompts: no images, each batch encoded when drawn (LazyEmbeds), test.txt held out;
+    # one optimizer step per iteration, so the ratio is measured before any update
+    (tmp_path / "train.txt").write_text("a red apple\na green flag\na smiling face\na blue car\n")
+    (tmp_path / "test.txt").write_text("a yellow star\n")
+    grpo_train(grpo_config(tmp_path / "run", tiny_export, "data.source=prompts", f"data.path={tmp_path}",
+                           "train.steps=1", "rollout.guidance_scale=1.0", "train.batch_size=16"))
+    rec = read_metrics(tmp_path / "run/grpo/metrics.jsonl")[0]
+    assert (tmp_path / "run/grpo/export/posttrain.json").is_file()
+    assert rec["ratio_min"] > 1 - 1e-5 and rec["ratio_max"] < 1 + 1e-5 and torch.isfinite(torch.tensor(rec["reward_mean"]))

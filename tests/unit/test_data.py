@@ -106,3 +106,31 @@ def test_epoch_sampler_resumes_exactly():
     b = EpochSampler(10, seed=3)
     b.load_state_dict(state)
     assert [a.next(4) for _ in range(4)] == [b.next(4) for _ in range(4)]
+
+
+def test_prompt_file_is_split_and_encoded_per_batch(minilm, tmp_path):
+    prompts = [f"a photo of {n} red apples" for n in range(40)]
+    (tmp_path / "p.txt").write_text("\n".join(prompts[:20]) + "\n\n  \n" + "\n".join(prompts[20:]) + "\n")
+    train, held = build_datasets(DataConfig(source="prompts", path=str(tmp_path / "p.txt"), size=24,
+                                            heldout_fraction=0.2, cache_dir=str(tmp_path)), minilm)
+    assert sorted(train.captions + held.captions) == sorted(prompts)  # blank lines skipped, nothing lost
+    assert not set(train.captions) & set(held.captions) and len(held) > 0
+    images, embeds, caps = train.batch([3, 0])
+    assert images.shape == (2, 3, 24, 24) and images.abs().sum() == 0  # prompt-only: blank images
+    direct = minilm.encode([train.captions[3], train.captions[0]])
+    assert caps == [train.captions[3], train.captions[0]]
+    torch.testing.assert_close(embeds.tokens, direct.tokens, rtol=0, atol=0)
+    torch.testing.assert_close(embeds.pooled, direct.pooled, rtol=0, atol=0)
+    assert not list(tmp_path.glob("embeds_*"))  # nothing encoded up front or cached
+
+
+def test_prompt_folder_uses_its_test_split_and_bad_paths_are_named(minilm, tmp_path):
+    (tmp_path / "train.txt").write_text("a cat\na dog\n")
+    (tmp_path / "test.txt").write_text("a red flag\n")
+    train, held = build_datasets(DataConfig(source="prompts", path=str(tmp_path)), minilm)
+    assert train.captions == ["a cat", "a dog"] and held.captions == ["a red flag"]
+    with pytest.raises(DatasetError, match="missing.txt"):
+        build_datasets(DataConfig(source="prompts", path=str(tmp_path / "missing.txt")), minilm)
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(DatasetError, match="empty.txt.*no prompt"):
+        build_datasets(DataConfig(source="prompts", path=str(tmp_path / "empty.txt")), minilm)
