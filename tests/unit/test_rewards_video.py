@@ -1,0 +1,62 @@
+"""Video rewards on synthetic clips with known motion (the moving-emoji generator)."""
+
+import math
+
+import pytest
+import torch
+
+from pretrain.data.emoji import render_emoji
+from pretrain.data.moving_emoji import MOTIONS, make_clip, motion_caption
+from rewards.base import build_reward
+from rewards.motion import named_direction
+
+
+@pytest.fixture(scope="module")
+def apple():
+    return render_emoji(["\U0001F34E"], size=12)[0]  # red apple, uint8 [3, 12, 12] on white
+
+
+def clips(sprite, motions, frames=8, size=32):
+    return torch.stack([make_clip(sprite, m, frames, size) for m in motions]).float() / 255
+
+
+def test_motion_direction_scores_known_motion(apple):
+    reward = build_reward("motion_direction")
+    left = clips(apple, ["left", "left"])
+    assert reward(left, ["a red apple moving left", "a red apple moving right"]).tolist() == [1.0, 0.0]
+    static = make_clip(apple, "left", 2, 32)[:1].expand(8, -1, -1, -1)[None].float() / 255
+    assert reward(static, ["a red apple moving left"]).tolist() == [0.0]
+    # every motion scores 1 for its own caption and 0 for each other one
+    videos = clips(apple, list(MOTIONS))
+    for want in MOTIONS:
+        got = reward(videos, [motion_caption("red apple", want)] * len(MOTIONS))
+        assert got.tolist() == [float(m == want) for m in MOTIONS], want
+    # a prompt naming no direction is not applicable
+    assert math.isnan(reward(left[:1], ["a red apple"]).item())
+
+
+def test_direction_words_and_bad_input():
+    assert named_direction("Apple moving Up then down") == "down"
+    assert named_direction("a leftover apple") is None
+    with pytest.raises(ValueError, match=r"motion_direction .*\[B, F >= 2, 3, H, W\].*\(2, 3, 8, 8\)"):
+        build_reward("motion_direction")(torch.zeros(2, 3, 8, 8), ["a", "b"])
+
+
+def test_temporal_consistency_and_per_frame(apple):
+    still = make_clip(apple, "left", 2, 32)[:1].expand(6, -1, -1, -1)[None].float() / 255
+    moving = clips(apple, ["left"], frames=6)
+    tc = build_reward("temporal_consistency")(torch.cat([still, moving]))
+    assert tc[0].item() == 1.0 and 0.9 < tc[1].item() < 1.0
+    flicker = torch.zeros(1, 4, 3, 8, 8)
+    flicker[:, 1::2] = 1.0
+    assert build_reward("temporal_consistency")(flicker).item() == 0.0
+    # per_frame averages an image reward over frames: mean brightness of frame f is f / 3 here
+    ramp = torch.arange(4).float().view(1, 4, 1, 1, 1).expand(2, 4, 3, 8, 8) / 3
+    pf = build_reward("per_frame", reward="tests.unit.test_rewards_video:brightness")
+    torch.testing.assert_close(pf(ramp, ["a", "b"]), torch.full((2,), 0.5))
+    every2 = build_reward("per_frame", reward="tests.unit.test_rewards_video:brightness", every=2)
+    torch.testing.assert_close(every2(ramp, ["a", "b"]), torch.full((2,), 1 / 3))
+
+
+def brightness(images, prompts=None, metadata=None):
+    return images.mean(dim=(1, 2, 3))
