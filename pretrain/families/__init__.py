@@ -87,12 +87,14 @@ def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) 
 def save_pipeline_lora(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
     """Write ``denoiser``'s peft LoRA adapter with the pipeline class's ``save_lora_weights`` (keys
     prefixed by the component, ``pytorch_lora_weights.safetensors``), the file its
-    ``load_lora_weights`` reads."""
+    ``load_lora_weights`` reads. The adapter's ``LoraConfig`` goes into the file's metadata, so the
+    loader keeps its ``lora_alpha`` (without it, diffusers assumes alpha = rank)."""
     import diffusers
     from peft.utils import get_peft_model_state_dict
 
     pipe_cls = getattr(diffusers, meta["pipeline"])
     layers = get_peft_model_state_dict(denoiser)
-    pipe_cls.save_lora_weights(str(out_dir), **{f"{meta['component']}_lora_layers": layers},
+    comp, config = meta["component"], denoiser.peft_config["default"].to_dict()
+    pipe_cls.save_lora_weights(str(out_dir), **{f"{comp}_lora_layers": layers, f"{comp}_lora_adapter_metadata": config},
                                safe_serialization=True)
     return Path(out_dir)
