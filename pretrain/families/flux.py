@@ -1,0 +1,141 @@
+"""FLUX.1 pipeline folders (diffusers ``FluxPipeline``: ``FluxTransformer2DModel``, CLIP-L pooled + T5
+token states, 16-channel ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler`` with dynamic shift).
+
+Our sampler's state stays the unpacked latents ``[B, 16, h, w]`` (the codec's latent shape); the adapter
+packs them into the pipeline's 2x2-patch sequence ``[B, (h/2)(w/2), 64]`` for every forward and unpacks
+the velocity. FLUX.1-dev is guidance-distilled (Black Forest Labs 2024): the guidance strength enters
+as an embedding (``options["guidance"]``), never as two-branch CFG, so the family's CFG scale is 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain.backbone import Backbone
+from pretrain.codec import VAECodec
+from pretrain.families.common import PipelinePromptEncoder
+from pretrain.models import SD3_ATTENTION
+from pretrain.text_encoder import PromptEmbeds
+
+COMPONENT = "transformer"
+#: ``model.options`` defaults (FluxPipeline's: 28 steps, T5 length 512, embedded guidance 3.5).
+DEFAULTS = {"guidance": 3.5, "max_sequence_length": 512, "num_inference_steps": 28, "dtype": "float32"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FluxAdapter(Backbone):
+    """Wraps ``FluxTransformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) -> v``
+    float32 ``[B, C, h, w]`` (h, w even).
+
+    As ``FluxPipeline.__call__``: latents packed with ``_pack_latents``, image ids from
+    ``_prepare_latent_image_ids``, text ids zero, timestep = (sigma * num_train_timesteps) / 1000 (the
+    scheduler's timestep over 1000; the transformer multiplies by 1000 itself), ``guidance`` embedded when
+    ``transformer.config.guidance_embeds`` (else None). ``image_seq_len`` (packed tokens of one image)
+    sets the scheduler's dynamic shift in :meth:`sigmas`."""
+
+    lora_targets = SD3_ATTENTION  # double blocks: image + text projections; single blocks: attn.to_q/k/v
+
+    def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int, guidance: float = 3.5):
+        super().__init__(transformer)
+        self.scheduler_class, self.scheduler_config = type(scheduler), dict(scheduler.config)
+        self.image_seq_len = int(image_seq_len)
+        self.guidance = float(guidance) if transformer.config.guidance_embeds else None
+
+    def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
+        """The pipeline's schedule, float32 ``[n + 1]`` ending in 0: ``np.linspace(1, 1/n, n)`` through
+        a fresh copy of the folder's scheduler ``set_timesteps(sigmas=..., mu=calculate_shift(
+        image_seq_len, ...))``. A not-None ``shift`` replaces the dynamic shift by that fixed shift.
+        Raises ``ValueError`` for ``num_inference_steps < 1``."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        n, cfg = num_inference_steps, self.scheduler_config
+        sigmas = None if cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
+        if shift is None:
+            scheduler = self.scheduler_class.from_config(cfg)
+            mu = calculate_shift(self.image_seq_len, cfg.get("base_image_seq_len", 256),
+                                 cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+                                 cfg.get("max_shift", 1.15))
+            retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas, mu=mu)
+        else:
+            scheduler = self.scheduler_class.from_config(cfg, shift=float(shift), use_dynamic_shifting=False)
+            retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas)
+        return scheduler.sigmas.to(torch.float32).cpu()
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        from diffusers import FluxPipeline
+
+        b, c, h, w = x.shape
+        dtype, device = next(self.transformer.parameters()).dtype, x.device
+        t = sigma.to(device, torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000)
+        timestep = t.to(dtype) / 1000  # what FluxPipeline passes: scheduler timestep / 1000
+        guidance = None if self.guidance is None else torch.full([b], self.guidance, device=device)
+        out = self.transformer(
+            hidden_states=FluxPipeline._pack_latents(x.to(dtype), b, c, h, w), timestep=timestep,
+            guidance=guidance, pooled_projections=embeds.pooled.to(device, dtype),
+            encoder_hidden_states=embeds.tokens.to(device, dtype),
+            txt_ids=torch.zeros(embeds.tokens.shape[1], 3, device=device, dtype=dtype),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype), return_dict=False,
+        )[0]
+        return FluxPipeline._unpack_latents(out.float(), h, w, 1)  # vae_scale_factor 1: sizes in latents
+
+
+class FluxPromptEncoder(PipelinePromptEncoder):
+    """``FluxPipeline.encode_prompt`` (CLIP ``pooler_output`` + T5 last hidden state padded to
+    ``max_sequence_length``): ``encode(prompts) -> PromptEmbeds(tokens [B, L, D_t5], pooled [B, D_clip])``
+    float32 on the CPU. ``pipe``: a ``FluxPipeline`` holding the text components. ``encode([""])`` is
+    what the pipeline would build for an empty negative prompt (it uses none unless true CFG is on).
+    ``cache_key``: unique per resolved folder, T5 length and dtype."""
+
+    name = "flux"
+
+    def __init__(self, pipe, path: Path, max_sequence_length: int, dtype: str, device: str):
+        super().__init__(pipe, "flux", path, max_sequence_length, dtype, device)
+        self.dim = int(pipe.text_encoder_2.config.d_model)
+        self.pooled_dim = int(pipe.text_encoder.config.hidden_size)
+
+    def encode_batch(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, pooled, _ = self.pipe.encode_prompt(prompts, None, device=self.device,
+                                                    max_sequence_length=self.max_sequence_length)
+        return tokens, pooled
+
+
+def load(path: str | Path, device: str = "cpu", options: dict | None = None):
+    """Load a ``FluxPipeline`` folder: ``(FluxAdapter, FluxPromptEncoder, VAECodec, meta)``.
+
+    ``options``: ``image_size`` (pixels, default the pipeline's 128 * vae_scale_factor; must be a
+    multiple of vae_scale_factor * 2), ``guidance`` (embedded guidance, 3.5), ``max_sequence_length``
+    (T5 tokens, 512), ``num_inference_steps`` (28), ``dtype`` ("float32", "bfloat16", "float16").
+    Raises ``ValueError`` naming ``model.options.<key>`` for an unknown option, a bad size or dtype."""
+    from diffusers import FluxPipeline
+
+    path, opts = Path(path), {**DEFAULTS, **dict(options or {})}
+    unknown = sorted(set(opts) - set(DEFAULTS) - {"image_size"})
+    if unknown:
+        raise ValueError(f"model.options.{unknown[0]}: not an option of FLUX pipelines "
+                         f"(known: {sorted({*DEFAULTS, 'image_size'})})")
+    if opts["dtype"] not in DTYPES:
+        raise ValueError(f"model.options.dtype: '{opts['dtype']}' is not one of {sorted(DTYPES)}")
+    pipe = FluxPipeline.from_pretrained(str(path), dtype=DTYPES[opts["dtype"]]).to(device)
+    factor = pipe.vae_scale_factor * 2
+    size = int(opts.get("image_size") or pipe.default_sample_size * pipe.vae_scale_factor)
+    if size % factor:
+        raise ValueError(f"model.options.image_size: {size} is not divisible by {factor} "
+                         f"(vae_scale_factor {pipe.vae_scale_factor} x 2x2 packing)")
+    model = FluxAdapter(pipe.transformer.eval(), pipe.scheduler, (size // factor) ** 2, opts["guidance"])
+    text_pipe = FluxPipeline(scheduler=pipe.scheduler, vae=None, transformer=None,
+                             text_encoder=pipe.text_encoder.eval().requires_grad_(False), tokenizer=pipe.tokenizer,
+                             text_encoder_2=pipe.text_encoder_2.eval().requires_grad_(False),
+                             tokenizer_2=pipe.tokenizer_2)
+    text_pipe.set_progress_bar_config(disable=True)
+    encoder = FluxPromptEncoder(text_pipe, path, opts["max_sequence_length"], opts["dtype"], device)
+    meta = {"family": __name__.rsplit(".", 1)[-1], "pipeline": "FluxPipeline", "component": COMPONENT,
+            "source": str(path), "image_size": size,
+            "sampling": {"num_inference_steps": int(opts["num_inference_steps"]), "guidance_scale": 1.0,
+                         "shift": None},
+            "options": dict(options or {})}
+    return model, encoder, VAECodec(pipe.vae), meta
