@@ -35,11 +35,24 @@ def sample_latents(model, embeds: PromptEmbeds, null_embeds: PromptEmbeds, noise
     return euler_sample(lambda x, s: guided_velocity(model, x, s, cond, null, guidance_scale), x, sigmas)
 
 
+def frame_strips(videos: torch.Tensor, max_frames: int = 4) -> torch.Tensor:
+    """Videos ``[N, F, 3, H, W]`` -> images ``[N, 3, H, k * W]``: k = min(F, ``max_frames``) evenly
+    spaced frames (first and last included) side by side, left to right in time."""
+    idx = torch.linspace(0, videos.shape[1] - 1, min(videos.shape[1], max_frames)).round().long()
+    v = videos[:, idx.to(videos.device)]
+    n, k, c, h, w = v.shape
+    return v.permute(0, 2, 3, 1, 4).reshape(n, c, h, k * w)
+
+
 def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols: int = 8, scale: int = 3) -> Path:
     """Write images float ``[N, 3, H, W]`` in [0, 1] as a PNG grid, each cell upscaled ``scale`` x
-    (nearest) with its caption underneath. Returns the path."""
+    (nearest) with its caption underneath. Videos ``[N, F, 3, H, W]``: each cell shows up to 4 of its
+    frames side by side (:func:`frame_strips`), upscaled only while a frame stays <= 128 px. Returns
+    the path."""
     from PIL import Image, ImageDraw
 
+    if images.ndim == 5:
+        images, scale = frame_strips(images), max(1, min(scale, 128 // images.shape[-2]))
     n, _, h, w = images.shape
     cols = min(cols, n)
     rows = (n + cols - 1) // cols
