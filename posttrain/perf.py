@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain.backbone import denoiser_blocks
+
 
 @dataclass
 class PerfConfig:
@@ -39,7 +41,7 @@ class PerfConfig:
 
 
 def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile`` every block of ``model.transformer.transformer_blocks`` in place (torchtitan's
+    """``torch.compile`` every block of ``model.transformer`` (:func:`pretrain.backbone.denoiser_blocks`) in place (torchtitan's
     per-block compile); returns ``model``. GRPO calls a block in several guises (with and without
     gradients, adapters on and off, the merged copy, batch B and 2B), each a graph of its own, so the
     recompile limit is raised to keep them all compiled."""
@@ -49,6 +51,6 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
     for key in ("recompile_limit", "cache_size_limit"):
         if hasattr(dyn, key):
             setattr(dyn, key, max(getattr(dyn, key), 64))
-    for block in model.transformer.transformer_blocks:
+    for block in denoiser_blocks(model.transformer):
         block.compile()
     return model

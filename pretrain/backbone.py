@@ -52,3 +52,24 @@ class Backbone(torch.nn.Module):
         new._parameters, new._buffers = dict(self._parameters), dict(self._buffers)
         new._modules = {**self._modules, "transformer": transformer}
         return new
+
+
+#: Attributes holding a denoiser's repeated blocks, in forward order: SD3 / FLUX (``transformer_blocks``,
+#: FLUX's ``single_transformer_blocks``), Wan (``blocks``), UNets (``down_blocks``, ``mid_block``,
+#: ``up_blocks``).
+BLOCK_ATTRS = ("transformer_blocks", "single_transformer_blocks", "blocks", "down_blocks", "mid_block", "up_blocks")
+
+
+def denoiser_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a diffusers denoiser (the units of FSDP2 sharding, activation checkpointing
+    and per-block compile), in forward order. ``ValueError`` naming the class if it has none."""
+    out: list[torch.nn.Module] = []
+    for name in BLOCK_ATTRS:
+        found = getattr(transformer, name, None)
+        if isinstance(found, torch.nn.ModuleList):
+            out += list(found)
+        elif isinstance(found, torch.nn.Module):
+            out.append(found)
+    if not out:
+        raise ValueError(f"{type(transformer).__name__}: no blocks found (looked for {BLOCK_ATTRS})")
+    return out

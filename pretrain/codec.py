@@ -51,6 +51,32 @@ class PatchifyCodec:
         return ((x.float() + 1) / 2).clamp(0, 1)
 
 
+class VideoPatchifyCodec:
+    """Pixel-space video: videos ``[B, F, 3, H, W]`` in [0, 1] to [-1, 1], then space-to-depth by
+    ``factor`` per frame, laid out as video latents ``[B, 3 * factor**2, F, H / factor, W / factor]``
+    (the ``[B, C, F, h, w]`` layout of diffusers video transformers). ``frames``: F, for
+    ``latent_shape``. Decoding clamps to [0, 1]."""
+
+    def __init__(self, factor: int = 1, frames: int = 8):
+        if factor < 1 or frames < 1:
+            raise ValueError(f"VideoPatchifyCodec: factor and frames must be >= 1, got {factor}, {frames}")
+        self.frames, self.image = frames, PatchifyCodec(factor)
+        self.channels, self.downsample = self.image.channels, factor
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.channels, self.frames, height // self.downsample, width // self.downsample)
+
+    def encode(self, videos: torch.Tensor) -> torch.Tensor:
+        b, f = videos.shape[:2]
+        x = self.image.encode(videos.flatten(0, 1))
+        return x.view(b, f, *x.shape[1:]).transpose(1, 2)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        b, _, f = latents.shape[:3]
+        x = self.image.decode(latents.transpose(1, 2).flatten(0, 1))
+        return x.view(b, f, *x.shape[1:])
+
+
 class VAECodec:
     """A diffusers ``AutoencoderKL`` (or any VAE with ``encode().latent_dist`` / ``decode().sample``):
     latents = (mean - shift_factor) * scaling_factor, as SD3/FLUX pipelines do. Encoding uses the
@@ -89,11 +115,13 @@ from dataclasses import dataclass  # noqa: E402
 
 @dataclass
 class CodecConfig:
-    """``name``: "patchify" (pixel space, ``factor`` space-to-depth) or "vae" (a diffusers
-    ``AutoencoderKL`` from the local folder ``path``/``subfolder``)."""
+    """``name``: "patchify" (pixel space, ``factor`` space-to-depth), "video_patchify" (the same per
+    frame of ``frames``-frame videos) or "vae" (a diffusers ``AutoencoderKL`` from the local folder
+    ``path``/``subfolder``)."""
 
     name: str = "patchify"
     factor: int = 1
+    frames: int = 8
     path: str | None = None
     subfolder: str = "vae"
 
@@ -103,8 +131,10 @@ def build_codec(cfg: CodecConfig, device: str = "cpu") -> Codec:
     without a path."""
     if cfg.name == "patchify":
         return PatchifyCodec(cfg.factor)
+    if cfg.name == "video_patchify":
+        return VideoPatchifyCodec(cfg.factor, cfg.frames)
     if cfg.name == "vae":
         if not cfg.path:
             raise ValueError("codec.path: required for the 'vae' codec (a local diffusers folder)")
         return VAECodec.from_pretrained(cfg.path, cfg.subfolder, device)
-    raise ValueError(f"codec.name: unknown codec '{cfg.name}' (known: patchify, vae)")
+    raise ValueError(f"codec.name: unknown codec '{cfg.name}' (known: patchify, video_patchify, vae)")

@@ -12,20 +12,21 @@ from pathlib import Path
 import torch
 
 from pretrain.codec import CodecConfig, build_codec
-from pretrain.models import SD3Adapter
+from pretrain.models import arch_of
 from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
 
 META = "posttrain.json"
 
 
 def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder: TextEncoderConfig,
-                 codec: CodecConfig, image_size: int, sampling: dict) -> Path:
-    """Save ``transformer`` (``save_pretrained``, safetensors) and the metadata to ``out_dir``."""
+                 codec: CodecConfig, image_size: int, sampling: dict, arch: str = "sd3") -> Path:
+    """Save ``transformer`` (``save_pretrained``, safetensors) and the metadata (``arch`` names its
+    :data:`pretrain.models.ARCHES` entry) to ``out_dir``."""
     out = Path(out_dir)
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     transformer.save_pretrained(tmp, safe_serialization=True)
-    meta = {"text_encoder": asdict(text_encoder), "codec": asdict(codec), "image_size": image_size,
+    meta = {"arch": arch, "text_encoder": asdict(text_encoder), "codec": asdict(codec), "image_size": image_size,
             "sampling": sampling}
     (tmp / META).write_text(json.dumps(meta, indent=2))
     if out.exists():
@@ -58,7 +59,7 @@ def load_exported(path: str | Path, device: str = "cpu", options: dict | None = 
     """Load an exported folder, or a diffusers pipeline folder through its family
     (:func:`pretrain.families.load_pipeline`, with ``options``): returns (adapter, text encoder,
     codec, meta dict). Raises ``FileNotFoundError`` naming the folder if it is neither."""
-    from diffusers import SD3Transformer2DModel
+    import diffusers
 
     from pretrain.families import load_pipeline, pipeline_class
 
@@ -68,7 +69,8 @@ def load_exported(path: str | Path, device: str = "cpu", options: dict | None = 
     if not (path / META).is_file():
         raise FileNotFoundError(f"{path}: no {META} (expected a folder written by `posttrain pretrain`)")
     meta = json.loads((path / META).read_text())
-    transformer = SD3Transformer2DModel.from_pretrained(path).to(device).eval()
+    arch = arch_of(meta.get("arch", "sd3"))
+    transformer = getattr(diffusers, arch.diffusers_class).from_pretrained(path).to(device).eval()
     encoder = text_encoder_from_config(TextEncoderConfig(**meta["text_encoder"]), device=device)
     codec = build_codec(CodecConfig(**meta["codec"]), device=device)
-    return SD3Adapter(transformer), encoder, codec, meta
+    return arch.adapter(transformer), encoder, codec, meta

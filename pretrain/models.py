@@ -8,12 +8,13 @@ takes timestep = sigma * 1000 (the SD3 pipeline passes the FlowMatchEulerDiscret
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from pretrain.backbone import Backbone
 from pretrain.text_encoder import PromptEmbeds
+from pretrain.video_models import WAN_PRESETS, WanVideoAdapter, build_wan_transformer
 
 SD3_ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                  "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -29,12 +30,15 @@ SD3_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class ModelConfig:
-    """Backbone choice. ``preset`` names an entry of ``SD3_PRESETS``; ``pretrained`` is a local diffusers
+    """Backbone choice. ``arch``: "sd3" (``SD3Transformer2DModel``, images) or "wan"
+    (``WanTransformer3DModel``, videos: :mod:`pretrain.video_models`); ``preset`` names an entry of
+    that arch's presets (``ARCHES[arch].presets``); ``pretrained`` is a local diffusers
     folder (transformer weights) that overrides the preset; ``overrides`` patch preset fields.
     Post-training stages take ``pretrained`` = an export of this project or a diffusers pipeline folder
     of a known family (:mod:`pretrain.families`), loaded with ``options`` (e.g. ``image_size``,
     ``num_frames``, ``guidance``, ``max_sequence_length``: see the family's ``load``)."""
 
+    arch: str = "sd3"
     preset: str = "tiny"
     pretrained: str | None = None
     subfolder: str | None = None
@@ -88,3 +92,43 @@ def build_transformer(cfg: ModelConfig, sample_size: int, channels: int, text_di
 
 def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One backbone architecture: its ``presets``, ``build(cfg, sample_size, channels, text_dim,
+    pooled_dim) -> diffusers model``, the ``adapter`` class wrapping it and the diffusers class name
+    exports are loaded with."""
+
+    presets: dict[str, dict[str, Any]]
+    build: Callable[..., torch.nn.Module]
+    adapter: type[Backbone]
+    diffusers_class: str
+
+
+def _build_wan(cfg: ModelConfig, sample_size: int, channels: int, text_dim: int, pooled_dim: int):
+    from diffusers import WanTransformer3DModel
+
+    if cfg.pretrained:
+        return WanTransformer3DModel.from_pretrained(cfg.pretrained, subfolder=cfg.subfolder)
+    return build_wan_transformer(cfg.preset, cfg.overrides, channels, text_dim)
+
+
+ARCHES: dict[str, Arch] = {
+    "sd3": Arch(SD3_PRESETS, build_transformer, SD3Adapter, "SD3Transformer2DModel"),
+    "wan": Arch(WAN_PRESETS, _build_wan, WanVideoAdapter, "WanTransformer3DModel"),
+}
+
+
+def arch_of(name: str) -> Arch:
+    """``ARCHES[name]``; ``ValueError`` naming ``model.arch`` otherwise."""
+    if name not in ARCHES:
+        raise ValueError(f"model.arch: unknown arch '{name}'; known: {sorted(ARCHES)}")
+    return ARCHES[name]
+
+
+def build_backbone(cfg: ModelConfig, sample_size: int, channels: int, text_dim: int, pooled_dim: int) -> Backbone:
+    """The adapter of ``cfg.arch`` around a new (or ``cfg.pretrained``) denoiser; see :class:`Arch`."""
+    arch = arch_of(cfg.arch)
+    return arch.adapter(arch.build(cfg, sample_size, channels, text_dim, pooled_dim))
+

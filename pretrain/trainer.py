@@ -13,7 +13,7 @@ from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import save_config
 from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
 from pretrain.export import export_model
-from pretrain.models import ModelConfig, SD3Adapter, build_transformer, count_parameters
+from pretrain.models import ModelConfig, arch_of, build_backbone, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise, pretrain_loss
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.job import JobRanks
@@ -62,17 +62,23 @@ class PretrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self, prefix: str = "") -> None:
-        from pretrain.models import SD3_PRESETS
-
         if self.data.size < 1:
             raise ValueError(f"data.size: must be >= 1, got {self.data.size}")
+        presets = arch_of(self.model.arch).presets
+        video = self.model.arch == "wan"
+        if video != (self.codec.name == "video_patchify") and self.codec.name != "vae":
+            raise ValueError(f"codec.name: '{self.codec.name}' does not fit model.arch '{self.model.arch}' "
+                             f"(wan takes video_patchify, sd3 takes patchify)")
+        if video and self.codec.frames != self.data.frames:
+            raise ValueError(f"codec.frames: {self.codec.frames} differs from data.frames {self.data.frames}")
         if not self.model.pretrained:
-            if self.model.preset not in SD3_PRESETS:
-                raise ValueError(f"model.preset: unknown preset '{self.model.preset}'; known: {sorted(SD3_PRESETS)}")
-            unknown = set(self.model.overrides) - set(SD3_PRESETS["tiny"]) - {"qk_norm", "dual_attention_layers"}
+            if self.model.preset not in presets:
+                raise ValueError(f"model.preset: unknown preset '{self.model.preset}'; known: {sorted(presets)}")
+            unknown = set(self.model.overrides) - set(presets["tiny"]) - {"qk_norm", "dual_attention_layers"}
             if unknown:
                 raise ValueError(f"model.overrides: unknown field(s) {sorted(unknown)}")
-            patch = {**SD3_PRESETS[self.model.preset], **self.model.overrides}["patch_size"] * self.codec.factor
+            patch = {**presets[self.model.preset], **self.model.overrides}["patch_size"]
+            patch = (patch[-1] if isinstance(patch, (list, tuple)) else patch) * self.codec.factor
             if self.data.size % patch:
                 raise ValueError(f"data.size: {self.data.size} is not divisible by the patch size {patch}")
 
@@ -136,8 +142,7 @@ def train(cfg: PretrainConfig) -> Path:
     size = cfg.data.size // codec.downsample
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed_for(cfg.train.seed, "init"))  # weights depend on the seed only
-        transformer = build_transformer(cfg.model, size, codec.channels, encoder.dim, encoder.pooled_dim)
-    model = SD3Adapter(transformer).to(device)
+        model = build_backbone(cfg.model, size, codec.channels, encoder.dim, encoder.pooled_dim).to(device)
     n_params = count_parameters(model)
     ranks.shard(model, None, cfg.parallel)
     sampler = EpochSampler(len(train_set), cfg.train.seed)
@@ -177,7 +182,8 @@ def train(cfg: PretrainConfig) -> Path:
     sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps, "guidance_scale": cfg.eval.guidance_scale,
                      "shift": cfg.eval.shift}
     out = ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", cfg.text_encoder, cfg.codec,
-                                                      cfg.data.size, sampling_meta), sampling, run / "export")
+                                                      cfg.data.size, sampling_meta, cfg.model.arch),
+                               sampling, run / "export")
     logger.write(f"exported {out}")
     logger.close()
     return out

