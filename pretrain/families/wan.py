@@ -1,0 +1,143 @@
+"""Wan2.1 text-to-video pipeline folders (diffusers ``WanPipeline``; Wan team 2025, arXiv 2503.20314).
+
+The denoiser is ``WanTransformer3DModel`` on video latents ``[B, 16, F', h, w]``; it predicts the flow
+velocity eps - x0 at timestep = sigma * ``num_train_timesteps`` (1000: ``WanPipeline`` passes the
+scheduler's ``timesteps``, float32 for ``FlowMatchEulerDiscreteScheduler``). Prompts go through the
+pipeline's own ``encode_prompt`` (UMT5-XXL, zero-padded to ``max_sequence_length``); there is no pooled
+embedding. Latents through ``AutoencoderKLWan`` (:class:`pretrain.families.wan_codec.WanVideoCodec`).
+
+Sampling. Our samplers are the Euler ODE and the Flow-GRPO SDE. For a folder whose scheduler is
+``FlowMatchEulerDiscreteScheduler`` we walk exactly its sigmas, so our ODE equals the pipeline (the
+tests prove it on a tiny pipeline). The released Wan2.1 folders ship ``UniPCMultistepScheduler``
+(``use_flow_sigmas``, ``flow_shift`` 3.0 for 480p): we take its flow-shifted linear sigmas but step them
+with Euler/SDE, not UniPC's multistep predictor-corrector, so results are close to, not equal to, the
+pipeline's. Wan2.2 folders (``transformer_2`` / ``boundary_ratio``, ``expand_timesteps``) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pretrain.families.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
+                                      family_meta)
+from pretrain.families.wan_codec import WanVideoCodec, check_num_frames
+from pretrain.video_models import WanVideoAdapter
+
+COMPONENT = "transformer"
+PIPELINE = "WanPipeline"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTIONS = ("image_size", "num_frames", "guidance_scale", "num_inference_steps", "max_sequence_length", "dtype",
+           "text_encoder_dtype")
+
+
+def scheduler_sigmas(scheduler_class, config: dict, num_inference_steps: int, shift: float | None = None
+                     ) -> torch.Tensor:
+    """The sigmas a Wan pipeline's scheduler walks for ``num_inference_steps``, final 0 included:
+    float32 ``[num_inference_steps + 1]`` from the scheduler's own ``set_timesteps``.
+
+    ``FlowMatchEulerDiscreteScheduler``: its ``sigmas`` as is (``shift`` not None replaces its
+    ``shift``). ``UniPCMultistepScheduler`` with ``use_flow_sigmas``: its flow-shifted linear sigmas
+    (``shift`` replaces ``flow_shift``), with the first sigma put back to exactly 1 where UniPC nudges
+    it to 1 - 1e-6 (only to avoid log(0) in its multistep update; the SDE's std at sigma = 1 must use
+    the next sigma, not divide by 1e-6). Raises ``ValueError`` for steps < 1, another scheduler,
+    UniPC without flow sigmas, or dynamic shifting (WanPipeline passes no ``mu``)."""
+    if num_inference_steps < 1:
+        raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+    name, cfg = scheduler_class.__name__, dict(config)
+    if name not in ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler"):
+        raise ValueError(f"Wan scheduler '{name}' is not supported (FlowMatchEulerDiscreteScheduler, "
+                         f"UniPCMultistepScheduler with use_flow_sigmas)")
+    if name == "UniPCMultistepScheduler" and not cfg.get("use_flow_sigmas"):
+        raise ValueError("UniPCMultistepScheduler without use_flow_sigmas is not a flow-matching schedule")
+    if cfg.get("use_dynamic_shifting"):
+        raise ValueError(f"{name} with use_dynamic_shifting: WanPipeline passes no mu")
+    if shift is not None:
+        cfg["shift" if name == "FlowMatchEulerDiscreteScheduler" else "flow_shift"] = float(shift)
+    scheduler = scheduler_class.from_config(cfg)
+    scheduler.set_timesteps(num_inference_steps, device="cpu")
+    sigmas = scheduler.sigmas.to(torch.float32).clone()
+    if name == "UniPCMultistepScheduler" and abs(float(sigmas[0]) - 1.0) < 1e-5:
+        sigmas[0] = 1.0
+    return sigmas
+
+
+class WanAdapter(WanVideoAdapter):
+    """:class:`pretrain.video_models.WanVideoAdapter` (``forward(x [B, C, F', h, w], sigma [B] in [0, 1],
+    embeds) -> velocity`` float32, the transformer's prediction v = eps - x0 at the float32 timestep
+    sigma * ``num_train_timesteps`` as ``WanPipeline`` passes it; ``embeds.pooled`` ``[B, 0]`` unused)
+    walking the folder scheduler's sigmas (:func:`scheduler_sigmas`)."""
+
+    def __init__(self, transformer: torch.nn.Module, scheduler):
+        super().__init__(transformer)
+        self.scheduler_class = type(scheduler)
+        self.scheduler_config = dict(scheduler.config)
+        self.timestep_scale = float(scheduler.config.num_train_timesteps)
+
+    def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
+        return scheduler_sigmas(self.scheduler_class, self.scheduler_config, num_inference_steps, shift)
+
+
+class WanPromptEncoder(PipelinePromptEncoder):
+    """Prompts -> ``PromptEmbeds`` as ``WanPipeline.encode_prompt`` builds them: tokens float32
+    ``[B, max_sequence_length, D]`` (UMT5 last hidden states of the cleaned prompt, zeroed after its
+    length), pooled float32 ``[B, 0]``. ``encode([""])`` is the pipeline's unconditional embedding when
+    no negative prompt is given. Outputs are on the CPU; ``cache_key`` unique per resolved folder,
+    length and text-encoder dtype."""
+
+    name = "wan_umt5"
+
+    def __init__(self, pipe, path: Path, max_sequence_length: int, dtype: str, device: str):
+        super().__init__(pipe, "wan", path, max_sequence_length, dtype, device)
+        self.dim = int(pipe.text_encoder.config.d_model)
+        self.pooled_dim = 0
+
+    def encode_batch(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, _ = self.pipe.encode_prompt(prompt=prompts, device=self.device, do_classifier_free_guidance=False,
+                                            max_sequence_length=self.max_sequence_length)
+        return tokens, tokens.new_zeros(tokens.shape[0], 0)
+
+
+def check_folder(path: Path) -> None:
+    """``ValueError`` for a Wan2.2 folder (a second transformer, ``boundary_ratio``, ``expand_timesteps``)."""
+    index = json.loads((Path(path) / "model_index.json").read_text())
+    second = index.get("transformer_2")
+    if (second and second[0]) or index.get("boundary_ratio") is not None or index.get("expand_timesteps"):
+        raise ValueError(f"{path}: a Wan2.2 pipeline (transformer_2 / boundary_ratio / expand_timesteps); "
+                         f"only single-transformer Wan2.1 text-to-video folders are supported")
+
+
+def load(path: Path, device: str, options: dict):
+    """Load a ``WanPipeline`` folder: ``(model, encoder, codec, meta)``.
+
+    ``options``: ``image_size`` (square side in pixels; default the pipeline's height, 480),
+    ``num_frames`` (4k + 1; default 81), ``guidance_scale`` (5.0), ``num_inference_steps`` (50),
+    ``max_sequence_length`` (512), ``dtype`` of the transformer ("float32", "bfloat16", "float16";
+    default float32; LoRA adapters are created in it), ``text_encoder_dtype`` of UMT5 (default
+    ``dtype``; "bfloat16" halves the 5.7 B-parameter encoder, as Wan ships it). The VAE stays float32,
+    as Wan's examples load it. Raises ``ValueError`` for an unknown option or dtype, a frame count
+    that is not 4k + 1, an image size the VAE scale x patch size does not divide, or a Wan2.2 folder."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+    from transformers import UMT5EncoderModel
+
+    options, dtype = checked_options(options, OPTIONS, DTYPES, "Wan")
+    text_dtype = options.get("text_encoder_dtype", dtype)
+    if text_dtype not in DTYPES:
+        raise ValueError(f"model.options.text_encoder_dtype: '{text_dtype}' is not one of {sorted(DTYPES)}")
+    check_folder(path)
+    defaults = call_defaults(WanPipeline, "height", "num_frames", "num_inference_steps", "guidance_scale",
+                             "max_sequence_length")
+    vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
+    num_frames = check_num_frames(options.get("num_frames", defaults["num_frames"]), vae.config.scale_factor_temporal)
+    text_encoder = UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=DTYPES[text_dtype])
+    pipe = WanPipeline.from_pretrained(path, vae=vae, text_encoder=text_encoder, dtype=DTYPES[dtype]).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    image_size = check_image_size(int(options.get("image_size") or defaults["height"]),
+                                  pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1])
+    model = WanAdapter(pipe.transformer.eval(), pipe.scheduler)
+    encoder = WanPromptEncoder(pipe, path, int(options.get("max_sequence_length", defaults["max_sequence_length"])),
+                               text_dtype, device)
+    meta = family_meta("wan", PIPELINE, COMPONENT, path, image_size, options, defaults)
+    return model, encoder, WanVideoCodec(pipe.vae, num_frames), meta
