@@ -88,7 +88,8 @@ def _prompts(cfg: EvalConfig, held, train) -> list[str]:
 @torch.no_grad()
 def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cpu",
              data: DataConfig | None = None) -> dict:
-    """Evaluate export folders ``models``; writes ``report.md`` and one grid per model to ``out_dir``.
+    """Evaluate export folders ``models`` on ``data`` (default: the data the first model was trained on,
+    recorded in its export, else the OpenMoji set); writes ``report.md`` and one grid per model to ``out_dir``.
     Returns {"prompts", "rewards": {name: [K x P tensors per model]}, "guard": [...], "grids": [...]}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     for m_i, path in enumerate(models):
         model, encoder, codec, meta = load_exported(path, device=str(device))
         model.eval()
-        train, held = build_datasets(replace(data or DataConfig(), size=meta["image_size"]), encoder)
+        default = DataConfig(**meta["data"]) if "data" in meta else DataConfig()  # the pretraining data
+        train, held = build_datasets(replace(data or default, size=meta["image_size"]), encoder)
         prompts = prompts or _prompts(cfg, held, train)
         null = encoder.encode([""]).to(device)
         embeds = encoder.encode(prompts)

@@ -19,15 +19,17 @@ META = "posttrain.json"
 
 
 def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder: TextEncoderConfig,
-                 codec: CodecConfig, image_size: int, sampling: dict, arch: str = "sd3") -> Path:
+                 codec: CodecConfig, image_size: int, sampling: dict, arch: str = "sd3",
+                 data: dict | None = None) -> Path:
     """Save ``transformer`` (``save_pretrained``, safetensors) and the metadata (``arch`` names its
-    :data:`pretrain.models.ARCHES` entry) to ``out_dir``."""
+    :data:`pretrain.models.ARCHES` entry; ``data``: the training data config as a dict, the default
+    data of later stages' evaluation) to ``out_dir``."""
     out = Path(out_dir)
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     transformer.save_pretrained(tmp, safe_serialization=True)
     meta = {"arch": arch, "text_encoder": asdict(text_encoder), "codec": asdict(codec), "image_size": image_size,
-            "sampling": sampling}
+            "sampling": sampling, **({"data": data} if data else {})}
     (tmp / META).write_text(json.dumps(meta, indent=2))
     if out.exists():
         shutil.rmtree(out)

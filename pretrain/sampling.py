@@ -47,12 +47,25 @@ def frame_strips(videos: torch.Tensor, max_frames: int = 4) -> torch.Tensor:
 def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols: int = 8, scale: int = 3) -> Path:
     """Write images float ``[N, 3, H, W]`` in [0, 1] as a PNG grid, each cell upscaled ``scale`` x
     (nearest) with its caption underneath. Videos ``[N, F, 3, H, W]``: each cell shows up to 4 of its
-    frames side by side (:func:`frame_strips`), upscaled only while a frame stays <= 128 px. Returns
-    the path."""
+    frames side by side (:func:`frame_strips`), upscaled only while a frame stays <= 128 px; the whole
+    clips also go to a GIF and an MP4 beside the PNG (:func:`pretrain.animation.save_animation`).
+    Returns the PNG's path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if images.ndim == 5:
+        from pretrain.animation import save_animation
+
+        save_animation(images, captions, path.with_suffix(""), cols=cols, scale=scale)
+        images, scale = frame_strips(images), max(1, min(scale, 128 // images.shape[-2]))
+    grid_image(images, captions, cols, scale).save(path)
+    return path
+
+
+def grid_image(images: torch.Tensor, captions: list[str], cols: int = 8, scale: int = 3):
+    """A PIL RGB image: images float ``[N, 3, H, W]`` in [0, 1] in ``cols`` columns, each cell
+    upscaled ``scale`` x (nearest) with its caption underneath."""
     from PIL import Image, ImageDraw
 
-    if images.ndim == 5:
-        images, scale = frame_strips(images), max(1, min(scale, 128 // images.shape[-2]))
     n, _, h, w = images.shape
     cols = min(cols, n)
     rows = (n + cols - 1) // cols
@@ -67,7 +80,4 @@ def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols:
         grid.paste(cell, (c * cw, r * (ch + label)))
         text = captions[i] if len(captions[i]) <= max_chars else captions[i][: max_chars - 1] + "…"
         draw.text((c * cw + 2, r * (ch + label) + ch), text, fill=(0, 0, 0))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
-    return path
+    return grid

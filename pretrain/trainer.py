@@ -182,7 +182,8 @@ def train(cfg: PretrainConfig) -> Path:
     sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps, "guidance_scale": cfg.eval.guidance_scale,
                      "shift": cfg.eval.shift}
     out = ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", cfg.text_encoder, cfg.codec,
-                                                      cfg.data.size, sampling_meta, cfg.model.arch),
+                                                      cfg.data.size, sampling_meta, cfg.model.arch,
+                                                      asdict(cfg.data)),
                                sampling, run / "export")
     logger.write(f"exported {out}")
     logger.close()
