@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pretrain.config import require_positive, save_config
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.seeding import generator_for
-from rewards.learned_clip import ClipNet, LearnedClipConfig, TextFeatures, contrastive_loss, save_learned_clip
+from rewards.learned_clip import CAPTIONS, ClipNet, LearnedClipConfig, TextFeatures, contrastive_loss, save_learned_clip
 
 log = logging.getLogger(__name__)
 
@@ -186,5 +186,7 @@ def train_reward(cfg: TrainRewardConfig) -> dict:
                "train": retrieval(net, tr_x[sub], tr_f[sub], [train.captions[i] for i in sub.tolist()]),
                "loss_first": losses[0], "loss_last": losses[-1], "train_pairs": len(train),
                "model": str(save_learned_clip(net, out / "model")), "seconds": time.perf_counter() - t0}
+    # the caption bank of learned_clip_contrastive: the distinct training captions
+    (out / "model" / CAPTIONS).write_text("\n".join(dict.fromkeys(train.captions)) + "\n")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics

@@ -170,3 +170,43 @@ class LearnedClip:
         txt = self.net.text_embeds(self.text(list(prompts)).to(self.device))
         cos = (img * txt).sum(-1)
         return (cos * self.net.scale() if self.logit else cos).float().cpu()
+
+
+CAPTIONS = "captions.txt"
+
+
+@register("learned_clip_contrastive")
+class LearnedClipContrastive(LearnedClip):
+    """score_i = log p(prompt_i | image_i) among prompt_i and a bank of K other captions, float32 ``[B]``,
+    <= 0 (-log(K + 1) when the image is equally close to every caption): the CLIP softmax over 1/temperature * cos (Radford et al. 2021, the
+    zero-shot classifier) with the bank as the other classes. An image wins only by matching its
+    prompt better than the other captions, so a generic image that raises every similarity (a way to
+    hack the plain cosine) gains nothing.
+
+    Args: ``path`` as :class:`LearnedClip`; ``negatives``: a text file of bank captions, one per line
+    (default: ``captions.txt`` in ``path``, the training captions ``posttrain train-reward`` writes
+    there); ``max_negatives``: keep the first K distinct captions. A bank caption equal to the prompt
+    is not counted twice. ``FileNotFoundError`` for a missing bank."""
+
+    def __init__(self, path: str, device: str = "cpu", negatives: str | None = None, max_negatives: int = 1024):
+        super().__init__(path, device, logit=True)
+        bank_path = Path(negatives) if negatives else Path(path) / CAPTIONS
+        if not bank_path.is_file():
+            raise FileNotFoundError(f"learned_clip_contrastive: caption bank {bank_path} not found")
+        bank = list(dict.fromkeys(line.strip() for line in bank_path.read_text().splitlines() if line.strip()))
+        self.bank = bank[:max_negatives]
+        with torch.no_grad():
+            self.bank_embeds = self.net.text_embeds(self.text(self.bank).to(self.device))  # [K, E]
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+        check_images(images, prompts, "learned_clip_contrastive")
+        img = self.net.image_embeds(images.to(self.device))
+        txt = self.net.text_embeds(self.text(list(prompts)).to(self.device))
+        scale = self.net.scale()
+        own = (img * txt).sum(-1) * scale  # [B]
+        others = img @ self.bank_embeds.T * scale  # [B, K]
+        same = torch.tensor([[b == p for b in self.bank] for p in prompts], device=others.device)
+        others = others.masked_fill(same, float("-inf"))
+        return (own - torch.logsumexp(torch.cat([own[:, None], others], 1), 1)).float().cpu()
+

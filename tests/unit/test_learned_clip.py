@@ -75,6 +75,29 @@ def test_train_reward_smoke(tmp_path, capsys):
     assert len(rows) == 25 and "heldout" in rows[-1]
     r = build_reward("learned_clip", path=str(out / "model"))(torch.rand(2, 3, 32, 32), ["a", "b"])
     assert r.shape == (2,) and torch.isfinite(r).all()
+    bank = (out / "model" / "captions.txt").read_text().splitlines()  # the contrastive caption bank
+    assert len(bank) == len(set(bank)) and 0 < len(bank) <= 96
+    c = build_reward("learned_clip_contrastive", path=str(out / "model"))(torch.rand(2, 3, 32, 32), ["a", "b"])
+    assert c.shape == (2,) and (c <= 0).all() and torch.isfinite(c).all()
+
+
+def test_contrastive_score_is_the_log_softmax_over_prompt_and_bank(saved, tmp_path):
+    folder, net = saved
+    bank = ["red apple", "flag: France", "kangaroo", "red apple"]  # a duplicate, and the prompt itself
+    (tmp_path / "bank.txt").write_text("\n".join(bank) + "\n")
+    reward = build_reward("learned_clip_contrastive", path=str(folder), negatives=str(tmp_path / "bank.txt"))
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    got = reward(images, ["red apple", "grinning face"])
+    with torch.no_grad():
+        img = net.image_embeds(images)
+        logits = img @ net.text_embeds(reward.text(["red apple", "flag: France", "kangaroo", "grinning face"])).T
+        logits = logits * net.scale()
+    # "red apple": its classes are {red apple, flag, kangaroo}; "grinning face": itself + all 3 distinct
+    want0 = logits[0, 0] - torch.logsumexp(logits[0, :3], 0)
+    want1 = logits[1, 3] - torch.logsumexp(logits[1, [3, 0, 1, 2]], 0)
+    torch.testing.assert_close(got, torch.stack([want0, want1]), atol=1e-5, rtol=0)
+    with pytest.raises(FileNotFoundError, match="caption bank"):
+        build_reward("learned_clip_contrastive", path=str(folder))  # no captions.txt in this folder
 
 
 def test_train_half_splits_disjointly():
