@@ -13,6 +13,7 @@ pixels scores 0.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -83,3 +84,37 @@ class MotionDirection:
                 ok = along >= self.min_shift and along > across  # False for NaN
             out[i] = float(ok)
         return out
+
+
+@register("motion_alignment")
+class MotionAlignment(MotionDirection):
+    """A graded form of ``motion_direction`` for training (its binary score gives a group of GRPO
+    samples little to rank): float32 ``[B]`` in [-1, 1], NaN when the prompt names no direction.
+    Directions: the sprite centroid's displacement along the named direction minus the absolute
+    displacement across it, first to last frame, in frame units. Growing / shrinking: log(area ratio)
+    in the named sense over log 4 (half to full size). A video whose sprite vanishes scores -1.
+    Same parameters as ``motion_direction`` (``color_threshold`` is used)."""
+
+    def __call__(self, images, prompts=None, metadata=None) -> torch.Tensor:
+        videos = check_video(images, "motion_alignment")
+        b = videos.shape[0]
+        prompts = list(prompts or [""] * b)
+        if len(prompts) != b:
+            raise ValueError(f"motion_alignment: {b} videos but {len(prompts)} prompts")
+        centroid, area = track(sprite_masks(videos.cpu(), self.color_threshold))
+        out = torch.full((b,), float("nan"))
+        for i, prompt in enumerate(prompts):
+            name = named_direction(prompt)
+            if name is None:
+                continue
+            axis, sense = DIRECTIONS[name]
+            if axis == 2:
+                a0, a1 = float(area[i, 0]), float(area[i, -1])
+                score = sense * math.log(a1 / a0) / math.log(4) if a0 > 0 and a1 > 0 else -1.0
+            else:
+                d = centroid[i, -1] - centroid[i, 0]
+                score = float(d[axis]) * sense - abs(float(d[1 - axis]))
+                score = -1.0 if math.isnan(score) else score
+            out[i] = max(-1.0, min(1.0, score))
+        return out
+

@@ -60,3 +60,17 @@ def test_temporal_consistency_and_per_frame(apple):
 
 def brightness(images, prompts=None, metadata=None):
     return images.mean(dim=(1, 2, 3))
+
+
+def test_motion_alignment_grades_the_motion(apple):
+    reward = build_reward("motion_alignment")
+    videos = clips(apple, ["left", "left", "growing"])
+    got = reward(videos, ["a red apple moving left", "a red apple moving right", "a red apple growing"])
+    # 32 px canvas, 12 px sprite: the corner moves 20 - 2 * 2 = 16 px = 0.5 of the frame; growth 0.5 -> 1x
+    assert got[0].item() == pytest.approx(0.5, abs=0.02) and got[1].item() == pytest.approx(-0.5, abs=0.02)
+    assert 0.7 < got[2].item() <= 1.0  # area ratio below 4: antialiased edges of the half-size sprite
+    static = make_clip(apple, "left", 2, 32)[:1].expand(8, -1, -1, -1)[None].float() / 255
+    assert reward(static, ["a red apple moving up"]).item() == 0.0
+    blank = torch.ones(1, 4, 3, 16, 16)  # no sprite at all
+    assert reward(blank, ["a red apple moving up"]).item() == -1.0
+    assert math.isnan(reward(blank, ["a red apple"]).item())
