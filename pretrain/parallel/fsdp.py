@@ -30,7 +30,7 @@ from pretrain.parallel.dims import Mesh
 
 
 def transformer_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``SD3Transformer2DModel`` inside an ``SD3Adapter`` (or the model itself)."""
+    """The diffusers denoiser inside an adapter (``model.transformer``), or the model itself."""
     return getattr(model, "transformer", model)
 
 

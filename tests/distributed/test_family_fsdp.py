@@ -1,0 +1,73 @@
+"""FSDP2 over the blocks of the other families' denoisers (FLUX double + single blocks, a UNet's
+down / mid / up blocks): 2 ranks on half a batch each equal one process on the whole batch."""
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from pretrain.backbone import denoiser_blocks
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.dims import ParallelDims
+from pretrain.parallel.fsdp import parallelize
+from pretrain.parallel.launch import run_ranks
+from tests.distributed.common import full_grads
+
+
+def flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+
+    def loss(m, rows):
+        g = torch.Generator().manual_seed(1)
+        x, txt = torch.randn(4, 16, 16, generator=g), torch.randn(4, 5, 32, generator=g)
+        pooled, t = torch.randn(4, 32, generator=g), torch.rand(4, generator=g)
+        ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
+        out = m(hidden_states=x[rows], encoder_hidden_states=txt[rows], pooled_projections=pooled[rows],
+                timestep=t[rows], img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(5, 3),
+                guidance=torch.full((len(range(*rows.indices(4))),), 3.5), return_dict=False)[0]
+        return out.pow(2).mean()
+    return model, loss
+
+
+def unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32),
+                                 layers_per_block=1, norm_num_groups=8, attention_head_dim=8,
+                                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16)
+
+    def loss(m, rows):
+        g = torch.Generator().manual_seed(1)
+        x, txt, t = torch.randn(4, 4, 8, 8, generator=g), torch.randn(4, 5, 16, generator=g), torch.tensor([10, 200, 500, 900])
+        return m(x[rows], t[rows], encoder_hidden_states=txt[rows], return_dict=False)[0].pow(2).mean()
+    return model, loss
+
+
+def _family_fsdp(rank, world, build):
+    mesh = ParallelDims().build_mesh()
+    ref, loss = build()
+    model, _ = build()
+    units = len(denoiser_blocks(model))
+    parallelize(model, mesh, ParallelConfig())
+    loss(model, slice(2 * rank, 2 * rank + 2)).backward()
+    loss(ref, slice(0, 4)).backward()
+    grads, want = full_grads(model), full_grads(ref)
+    return dict(units=units, fsdp_modules=sum(isinstance(m, FSDPModule) for m in model.modules()),
+                same_names=set(grads) == set(want),
+                grad_diff=max(float((grads[k] - want[k]).abs().max()) for k in want),
+                grad_max=max(float(g.abs().max()) for g in want.values()))
+
+
+@pytest.mark.parametrize("build,units", [(flux, 3), (unet, 5)])  # 1 double + 2 single; 2 down, mid, 2 up
+def test_fsdp_shards_every_block_and_matches_one_process(build, units):
+    for r in run_ranks(_family_fsdp, build):
+        print(build.__name__, r)
+        assert r["units"] == units and r["fsdp_modules"] == units + 1  # every block, then the root
+        assert r["same_names"] and r["grad_max"] > 1e-4
+        assert r["grad_diff"] <= 1e-5 * max(1.0, r["grad_max"]), r
