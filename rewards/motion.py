@@ -62,28 +62,31 @@ class MotionDirection:
     def __init__(self, min_shift: float = 0.1, min_growth: float = 0.25, color_threshold: float = 0.1):
         self.min_shift, self.min_growth, self.color_threshold = min_shift, min_growth, color_threshold
 
+    name = "motion_direction"
+
     def __call__(self, images, prompts=None, metadata=None) -> torch.Tensor:
-        videos = check_video(images, "motion_direction")
+        videos = check_video(images, self.name)
         b = videos.shape[0]
         prompts = list(prompts or [""] * b)
         if len(prompts) != b:
-            raise ValueError(f"motion_direction: {b} videos but {len(prompts)} prompts")
+            raise ValueError(f"{self.name}: {b} videos but {len(prompts)} prompts")
         centroid, area = track(sprite_masks(videos.cpu(), self.color_threshold))
         out = torch.full((b,), float("nan"))
         for i, prompt in enumerate(prompts):
-            name = named_direction(prompt)
-            if name is None:
-                continue
-            axis, sense = DIRECTIONS[name]
-            if axis == 2:
+            direction = named_direction(prompt)
+            if direction is not None:
+                axis, sense = DIRECTIONS[direction]
                 a0, a1 = float(area[i, 0]), float(area[i, -1])
-                ok = a0 > 0 and a1 > 0 and (a1 / a0 if sense > 0 else a0 / a1) >= 1 + self.min_growth
-            else:
                 d = centroid[i, -1] - centroid[i, 0]  # (dy, dx); NaN if the sprite vanished
-                along, across = float(d[axis]) * sense, abs(float(d[1 - axis]))
-                ok = along >= self.min_shift and along > across  # False for NaN
-            out[i] = float(ok)
+                out[i] = self.score(axis, sense, a0, a1, d)
         return out
+
+    def score(self, axis: int, sense: int, a0: float, a1: float, d: torch.Tensor) -> float:
+        """1.0 or 0.0 for one video: first / last sprite areas ``a0``, ``a1``, centroid shift ``d``."""
+        if axis == 2:
+            return float(a0 > 0 and a1 > 0 and (a1 / a0 if sense > 0 else a0 / a1) >= 1 + self.min_growth)
+        along, across = float(d[axis]) * sense, abs(float(d[1 - axis]))
+        return float(along >= self.min_shift and along > across)  # False for NaN
 
 
 @register("motion_alignment")
@@ -95,26 +98,13 @@ class MotionAlignment(MotionDirection):
     in the named sense over log 4 (half to full size). A video whose sprite vanishes scores -1.
     Same parameters as ``motion_direction`` (``color_threshold`` is used)."""
 
-    def __call__(self, images, prompts=None, metadata=None) -> torch.Tensor:
-        videos = check_video(images, "motion_alignment")
-        b = videos.shape[0]
-        prompts = list(prompts or [""] * b)
-        if len(prompts) != b:
-            raise ValueError(f"motion_alignment: {b} videos but {len(prompts)} prompts")
-        centroid, area = track(sprite_masks(videos.cpu(), self.color_threshold))
-        out = torch.full((b,), float("nan"))
-        for i, prompt in enumerate(prompts):
-            name = named_direction(prompt)
-            if name is None:
-                continue
-            axis, sense = DIRECTIONS[name]
-            if axis == 2:
-                a0, a1 = float(area[i, 0]), float(area[i, -1])
-                score = sense * math.log(a1 / a0) / math.log(4) if a0 > 0 and a1 > 0 else -1.0
-            else:
-                d = centroid[i, -1] - centroid[i, 0]
-                score = float(d[axis]) * sense - abs(float(d[1 - axis]))
-                score = -1.0 if math.isnan(score) else score
-            out[i] = max(-1.0, min(1.0, score))
-        return out
+    name = "motion_alignment"
 
+    def score(self, axis: int, sense: int, a0: float, a1: float, d: torch.Tensor) -> float:
+        """The graded score in [-1, 1] of one video (see the class docstring)."""
+        if axis == 2:
+            value = sense * math.log(a1 / a0) / math.log(4) if a0 > 0 and a1 > 0 else -1.0
+        else:
+            value = float(d[axis]) * sense - abs(float(d[1 - axis]))
+            value = -1.0 if math.isnan(value) else value
+        return max(-1.0, min(1.0, value))
