@@ -34,14 +34,14 @@ def _weights(run_dir: str) -> dict[str, torch.Tensor]:
 def _pretrain(rank, world, run_dir, overrides=()):
     import pretrain.trainer as trainer
 
-    init, build = {}, trainer.build_transformer
+    init, build = {}, trainer.build_backbone
 
     def keep_init(*args, **kwargs):  # the seeded initial weights, to measure how far training moved them
         model = build(*args, **kwargs)
-        init.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        init.update({k: v.detach().clone() for k, v in model.transformer.state_dict().items()})
         return model
 
-    trainer.build_transformer = keep_init
+    trainer.build_backbone = keep_init
     out = trainer.train(tiny_config(run_dir, *ARGS, *overrides))
     if rank:
         return {"export": str(out)}
