@@ -70,13 +70,17 @@ def _link_or_copy(src: str, dst: str) -> None:
 def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
     """Write a complete pipeline folder: the source folder ``meta["source"]`` (files hard-linked where
     possible) with ``denoiser`` saved (``save_pretrained``, safetensors) as its ``meta["component"]``,
-    plus ``posttrain.json``. Written to a temporary name, then renamed. Returns ``out_dir``."""
+    the family module's ``finalize_export(folder, meta)`` applied when it has one, plus
+    ``posttrain.json``. Written to a temporary name, then renamed. Returns ``out_dir``."""
     out, src, comp = Path(out_dir), Path(meta["source"]), meta["component"]
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp, copy_function=_link_or_copy,
                     ignore=lambda d, names: [n for n in names if Path(d) == src and n in (comp, META)])
     denoiser.save_pretrained(tmp / comp, safe_serialization=True)
+    finalize = getattr(importlib.import_module(f"pretrain.families.{meta['family']}"), "finalize_export", None)
+    if finalize is not None:  # e.g. a replaced scheduler: the export must sample as the run did
+        finalize(tmp, meta)
     (tmp / META).write_text(json.dumps({**meta, "source": str(out.resolve())}, indent=2))
     if out.exists():
         shutil.rmtree(out)

@@ -117,6 +117,31 @@ def _scheduler(pipe, choice: str | None):
     return getattr(diffusers, SCHEDULERS[choice]).from_config(pipe.scheduler.config, **extra)
 
 
+def finalize_export(folder: Path, meta: dict) -> None:
+    """For a run with ``model.options.scheduler``: replace the export's ``scheduler/`` (copied, hard-linked,
+    from the source) and its ``model_index.json`` entry by the scheduler the run sampled with, so ``from_pretrained(export)`` samples as
+    our sampler does. The copied files are unlinked first, never written through to the source."""
+    choice = meta.get("options", {}).get("scheduler")
+    if not choice:
+        return
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    import diffusers
+
+    sub = Path(folder) / "scheduler"
+    cls = getattr(diffusers, json.loads((sub / "scheduler_config.json").read_text())["_class_name"])
+    scheduler = _scheduler(SimpleNamespace(scheduler=cls.from_pretrained(str(sub))), choice)
+    shutil.rmtree(sub)
+    scheduler.save_pretrained(str(sub))
+    index_path = Path(folder) / "model_index.json"  # the pipeline picks the scheduler class from here
+    index = json.loads(index_path.read_text())
+    index["scheduler"] = ["diffusers", type(scheduler).__name__]
+    index_path.unlink()
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+
+
 def load(path: Path, device: str, options: dict):
     """Load a ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` folder:
     ``(UNetAdapter, UNetPromptEncoder, VAECodec, meta)``.

@@ -98,6 +98,16 @@ def test_unsupported_schedulers_raise_and_the_scheduler_option_replaces_them(tmp
     d_lat, d_img, scale, _ = _ours_vs_pipeline(folder, pipe, {"scheduler": "ddim"})
     print(f"\nPNDM folder sampled with DDIM: max |ours - pipeline| latents {d_lat:.2e} (of {scale:.2f}), images {d_img:.2e}")
     assert d_lat < 1e-5 * max(1.0, scale) and d_img < 1e-5
+    # its export carries the DDIM scheduler it sampled with; the source folder keeps its PNDM
+    from diffusers import StableDiffusionPipeline
+
+    from pretrain.families import export_pipeline
+
+    model, _, _, meta = load_exported(folder, options={"scheduler": "ddim"})
+    out = export_pipeline(model.transformer, meta, tmp_path / "export")
+    assert type(StableDiffusionPipeline.from_pretrained(out).scheduler).__name__ == "DDIMScheduler"
+    assert type(StableDiffusionPipeline.from_pretrained(folder).scheduler).__name__ == "PNDMScheduler"
+    assert load_exported(out)[3]["options"] == {"scheduler": "ddim"}
 
 
 @pytest.mark.parametrize("name", ["sd_ddim_eps", "sdxl_euler_eps", "sd_ddim_v"])
