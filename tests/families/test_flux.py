@@ -189,5 +189,5 @@ def test_flux1_dev_config_loads(flux_dir):
     cfg = load_config(GRPOConfig, ROOT / "configs/grpo/flux1_dev.yaml", [f"model.pretrained={flux_dir}"])
     assert cfg.rollout.guidance_scale == 1.0 and cfg.eval.guidance_scale == 1.0
     assert cfg.model.options["guidance"] == 3.5 and cfg.model.options["image_size"] == 512
-    assert (cfg.policy.lora_rank, cfg.rollout.num_inference_steps, cfg.data.source) == (32, 6, "openmoji")
+    assert (cfg.policy.lora_rank, cfg.rollout.num_inference_steps, cfg.data.source) == (32, 6, "prompts")
     assert cfg.model.pretrained == str(flux_dir)
