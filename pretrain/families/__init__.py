@@ -54,10 +54,16 @@ def family_of(path: str | Path):
 def load_pipeline(path: str | Path, device: str = "cpu", options: dict | None = None):
     """Load a pipeline folder through its family: ``(model, encoder, codec, meta)``. ``options`` (e.g.
     ``image_size``) override those recorded in the folder's ``posttrain.json`` when it is one of our
-    exports."""
+    exports. Raises ``ConfigError`` (the CLI exits with 2) naming the folder for a bad option or an
+    unsupported pipeline, scheduler or size."""
+    from pretrain.config import ConfigError
+
     path = Path(path)
     recorded = json.loads((path / META).read_text()).get("options", {}) if (path / META).is_file() else {}
-    return family_of(path).load(path, device, {**recorded, **dict(options or {})})
+    try:
+        return family_of(path).load(path, device, {**recorded, **dict(options or {})})
+    except ValueError as e:  # a bad option or an unsupported folder: a config error naming the folder
+        raise ConfigError(f"{path}: {e}") from e
 
 
 def _link_or_copy(src: str, dst: str) -> None:

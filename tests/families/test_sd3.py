@@ -217,3 +217,12 @@ def test_grpo_iteration_exports_load_in_diffusers(folder, tmp_path, capsys):
               f"load_lora_weights(lora) {d_lora:.2e}; change from the base model {moved:.2e}")
     assert d_exp <= TOL and d_lora <= TOL
     assert moved > 100 * TOL  # the update really changed the model, so the comparisons can fail
+
+
+def test_a_bad_option_is_a_config_error_naming_the_folder(folder, tmp_path, capsys):
+    from posttrain.cli import main
+
+    code = main(["grpo", str(ROOT / "configs/grpo/emoji_tiny.yaml"), f"run_dir={tmp_path}",
+                 f"model.pretrained={folder}", "model.options.foo=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(folder) in err and "model.options: unknown ['foo']" in err, err
