@@ -10,6 +10,8 @@ interface, so a model family is one adapter file, never a copy of a trainer.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from pretrain.schedule import sigma_schedule
@@ -43,14 +45,13 @@ class Backbone(torch.nn.Module):
 
     def with_transformer(self, transformer: torch.nn.Module) -> "Backbone":
         """A shallow copy of this adapter (same settings) around another denoiser, e.g. a LoRA-merged
-        copy of its own."""
-        new = self.__class__.__new__(self.__class__)
-        torch.nn.Module.__init__(new)
+        copy of its own. The module's own registries (submodules, parameters, hooks) are copied, not
+        shared, so nothing registered on one reaches the other."""
+        new = copy.copy(self)
         for k, v in self.__dict__.items():
-            if k not in ("_modules", "_parameters", "_buffers"):
-                new.__dict__[k] = v
-        new._parameters, new._buffers = dict(self._parameters), dict(self._buffers)
-        new._modules = {**self._modules, "transformer": transformer}
+            if k.startswith("_") and isinstance(v, dict):
+                new.__dict__[k] = type(v)(v)
+        new._modules["transformer"] = transformer
         return new
 
 
