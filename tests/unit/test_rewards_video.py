@@ -74,3 +74,25 @@ def test_motion_alignment_grades_the_motion(apple):
     blank = torch.ones(1, 4, 3, 16, 16)  # no sprite at all
     assert reward(blank, ["a red apple moving up"]).item() == -1.0
     assert math.isnan(reward(blank, ["a red apple"]).item())
+
+
+def test_motion_displacement_is_the_signed_shift_along_the_named_direction(apple):
+    reward = build_reward("motion_displacement")
+    videos = clips(apple, list(MOTIONS))  # 32 px canvas, 12 px sprite: the corner moves 16 px = 0.5
+    for want in MOTIONS[:4]:
+        got = reward(videos, [motion_caption("red apple", want)] * len(MOTIONS))
+        opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}[want]
+        assert got[MOTIONS.index(want)].item() == pytest.approx(0.5, abs=1e-3), want
+        assert got[MOTIONS.index(opposite)].item() == pytest.approx(-0.5, abs=1e-3), want
+        for across in MOTIONS[:4]:  # motion across the axis is neither rewarded nor penalised
+            if across not in (want, opposite):
+                assert abs(got[MOTIONS.index(across)].item()) < 1e-4, (want, across)
+    grow = reward(videos[4:], ["red apple growing"] * 2)
+    assert grow[0].item() > 0.05 and grow[1].item() == pytest.approx(-grow[0].item(), abs=1e-6)
+    static = make_clip(apple, "left", 2, 32)[:1].expand(8, -1, -1, -1)[None].float() / 255
+    assert abs(reward(static, ["a red apple moving up"]).item()) < 1e-6
+    # smooth: half the sprite's contrast still gives the same shift (no threshold), a blank clip is NaN
+    faded = 1 - 0.5 * (1 - videos[:1])
+    assert reward(faded, ["red apple moving left"]).item() == pytest.approx(0.5, abs=1e-3)
+    assert math.isnan(reward(torch.ones(1, 4, 3, 16, 16), ["a red apple moving up"]).item())
+    assert math.isnan(reward(videos[:1], ["a red apple"]).item())
