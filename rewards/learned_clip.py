@@ -210,3 +210,36 @@ class LearnedClipContrastive(LearnedClip):
         others = others.masked_fill(same, float("-inf"))
         return (own - torch.logsumexp(torch.cat([own[:, None], others], 1), 1)).float().cpu()
 
+
+
+@register("learned_clip_retrieval")
+class LearnedClipRetrieval(LearnedClip):
+    """Text retrieval as a score: 1.0 when prompt_i is among the ``top_k`` captions most similar to
+    image_i (cosine in the joint space), else 0.0, float32 ``[B]``. The candidates are the distinct
+    prompts of the call (an evaluation passing all of its prompts at once: retrieval among them, chance
+    ``top_k`` / their number), or the lines of the text file ``candidates`` plus the prompts. Stricter
+    than the cosine: an image only scores by matching its own prompt better than the others.
+
+    Args: ``path``, ``device`` as :class:`LearnedClip`; ``top_k`` (>= 1, default 5); ``candidates``.
+    ``ValueError`` for ``top_k`` < 1, ``FileNotFoundError`` for a missing file."""
+
+    def __init__(self, path: str, device: str = "cpu", top_k: int = 5, candidates: str | None = None):
+        super().__init__(path, device)
+        if top_k < 1:
+            raise ValueError(f"learned_clip_retrieval.top_k: must be >= 1, got {top_k}")
+        self.top_k = int(top_k)
+        self.extra: list[str] = []
+        if candidates:
+            if not Path(candidates).is_file():
+                raise FileNotFoundError(f"learned_clip_retrieval: candidates file {candidates} not found")
+            self.extra = [line.strip() for line in Path(candidates).read_text().splitlines() if line.strip()]
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+        check_images(images, prompts, "learned_clip_retrieval")
+        pool = sorted(set(self.extra) | set(prompts))
+        img = self.net.image_embeds(images.to(self.device))
+        sims = img @ self.net.text_embeds(self.text(pool).to(self.device)).T  # [B, M]
+        own = torch.tensor([pool.index(p) for p in prompts], device=sims.device)
+        rank = (sims > sims.gather(1, own[:, None])).sum(1)  # 0 = the best match
+        return (rank < self.top_k).float().cpu()

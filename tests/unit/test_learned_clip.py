@@ -121,3 +121,23 @@ def test_eval_reward_entries_take_a_path():
     for bad, msg in (["learned_clip@"], "NAME@PATH"), (["learned_clip"], "bad parameters"), (["jpeg_compressibility@x"], "bad parameters"):
         with pytest.raises(ValueError, match=msg):
             EvalConfig(rewards=bad).validate("eval.")
+
+
+def test_retrieval_score_is_the_rank_of_the_own_prompt(saved, tmp_path):
+    folder, _ = saved
+    prompts = ["red apple", "green book", "blue heart", "yellow star"]
+    torch.manual_seed(0)
+    images = torch.rand(4, 3, 32, 32)
+    cos = build_reward("learned_clip", path=str(folder))
+    sims = torch.stack([cos(images, [p] * 4) for p in prompts], 1)  # [image, candidate]
+    rank = (sims > sims.diagonal()[:, None]).sum(1)
+    for k in (1, 2, 4):
+        got = build_reward("learned_clip_retrieval", path=str(folder), top_k=k)(images, prompts)
+        assert got.tolist() == (rank < k).float().tolist()
+    assert build_reward("learned_clip_retrieval", path=str(folder), top_k=4)(images, prompts).tolist() == [1.0] * 4
+    # extra candidates from a file can only push the own prompt down
+    (tmp_path / "c.txt").write_text("\n".join(f"caption {i}" for i in range(20)) + "\n")
+    wider = build_reward("learned_clip_retrieval", path=str(folder), top_k=1, candidates=str(tmp_path / "c.txt"))
+    assert (wider(images, prompts) <= build_reward("learned_clip_retrieval", path=str(folder), top_k=1)(images, prompts)).all()
+    with pytest.raises(ValueError, match="top_k"):
+        build_reward("learned_clip_retrieval", path=str(folder), top_k=0)
