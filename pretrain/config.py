@@ -48,9 +48,11 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"command line: override '{item}' must look like key.path=value")
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
+        key, _, raw = item.partition("=")
+        try:  # update, not a merge of a dotlist: `stages.1.overrides=[...]` indexes the list
+            value = OmegaConf.from_dotlist([f"value={raw}"])["value"]
+            OmegaConf.update(cfg, key.strip(), value, merge=True)
+        except (OmegaConfBaseException, TypeError, IndexError) as e:
             raise ConfigError(f"command line: {_describe(e)} (in '{item}')") from e
     try:
         obj = OmegaConf.to_object(cfg)

@@ -120,3 +120,15 @@ def test_pipeline_with_an_unknown_eval_reward_fails_before_training(tmp_path, ca
 def test_eval_cli_unknown_reward_exits_2(capsys, tmp_path):
     code, err = run_cli(capsys, "eval", str(tmp_path), "--rewards", "nope")
     assert code == 2 and "--rewards" in err
+
+
+def test_command_line_override_indexes_a_list_of_stages():
+    from posttrain.pipeline import PipelineConfig
+    from pretrain.config import load_config
+
+    path = ROOT / "configs/quickstart.yaml"
+    cfg = load_config(PipelineConfig, path, ["stages.1.overrides=[train.steps=1, rollout.group_size=4]"])
+    assert cfg.stages[1].overrides == ["train.steps=1", "rollout.group_size=4"]
+    assert cfg.stages[0].command == "pretrain" and cfg.stages[0].overrides == []  # the rest of the list is kept
+    with pytest.raises(ConfigError, match=r"stages\[5\].*in 'stages.5.overrides"):
+        load_config(PipelineConfig, path, ["stages.5.overrides=[train.steps=1]"])
