@@ -22,7 +22,8 @@ def _stage(args) -> int:
     schema, train = get_stage(args.command)
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     out = train(load_config(schema, args.config, overrides))
-    print(f"export: {out}")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 wrote the export
+        print(f"export: {out}")
     return 0
 
 

@@ -27,6 +27,7 @@ def test_torchrun_two_ranks_run_one_grpo_job(tiny_export, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = run / "grpo"
     assert "ranks: world 2 = dp_replicate 1 x dp_shard 2 x sp 1" in proc.stdout + proc.stderr
+    assert proc.stdout.count("export: ") == 1  # printed by rank 0 alone
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]  # rank 0 alone logs
     assert sorted(p.name for p in (out / "checkpoints" / "step_2").glob("*.distcp")) == ["__0_0.distcp",
