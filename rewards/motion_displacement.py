@@ -5,8 +5,9 @@ along the direction its prompt names.
 across the named axis, which makes a still clip the safe answer. Policy-gradient estimates are the
 covariance of the reward with the sampling noise, so a reward that is a smooth, nearly linear function
 of the pixels gives the most signal per sample (a thresholded one throws most of it away). Here every
-pixel weighs its distance from the background (max over RGB of |pixel - border median|, in [0, 1]; no
-threshold); per frame the weighted centroid (y, x in frame units) and the weighted area (share of the
+pixel weighs its distance d from the background (max over RGB of |pixel - border median|, in [0, 1])
+less a floor, max(d - floor, 0) (default 0.1: the faint noise an SDE sample leaves on the canvas would
+otherwise carry half the weight and pull every centroid to the middle); per frame the weighted centroid (y, x in frame units) and the weighted area (share of the
 frame) are taken, and a least-squares line through all F frames gives the change over the clip:
 
 - left / right / up / down: the centroid's change along the named axis in the named sense (frame
@@ -28,12 +29,12 @@ from rewards.motion import DIRECTIONS, named_direction
 from rewards.video_checks import check_video
 
 
-def soft_tracks(videos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_tracks(videos: torch.Tensor, floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted centroids float32 ``[B, F, 2]`` (y, x in frame units; NaN for an empty frame) and
-    weighted areas ``[B, F]`` of videos ``[B, F, 3, H, W]`` in [0, 1]."""
+    weighted areas ``[B, F]`` of videos ``[B, F, 3, H, W]`` in [0, 1]; weights max(d - ``floor``, 0)."""
     v = videos.float()
     border = torch.cat([v[..., 0, :], v[..., -1, :], v[..., :, 0], v[..., :, -1]], dim=-1)
-    w = (v - border.median(dim=-1).values[..., None, None]).abs().amax(dim=2)  # [B, F, H, W]
+    w = ((v - border.median(dim=-1).values[..., None, None]).abs().amax(dim=2) - floor).clamp(min=0)  # [B, F, H, W]
     h, wd = w.shape[-2:]
     mass = w.sum(dim=(-2, -1))
     ys = (torch.arange(h, dtype=torch.float32) + 0.5) / h
@@ -57,10 +58,13 @@ def clip_change(series: torch.Tensor) -> torch.Tensor:
 class MotionDisplacement:
     """Smooth signed motion along the prompt's direction (see the module docstring), float32 ``[B]``
     in [-1, 1], NaN where the prompt names no direction. Input: videos float ``[B, F, 3, H, W]`` in
-    [0, 1] with F >= 2, ``B`` prompts. ``ValueError`` for a tensor that is not a batch of videos or a
+    [0, 1] with F >= 2, ``B`` prompts. Parameter: ``floor`` (default 0.1, [0, 1] units). ``ValueError`` for a tensor that is not a batch of videos or a
     prompt count that does not match."""
 
     name = "motion_displacement"
+
+    def __init__(self, floor: float = 0.1):
+        self.floor = float(floor)
 
     def __call__(self, images, prompts=None, metadata=None) -> torch.Tensor:
         videos = check_video(images, self.name).cpu()
@@ -68,7 +72,7 @@ class MotionDisplacement:
         prompts = list(prompts or [""] * b)
         if len(prompts) != b:
             raise ValueError(f"{self.name}: {b} videos but {len(prompts)} prompts")
-        centroid, area = soft_tracks(videos)
+        centroid, area = soft_tracks(videos, self.floor)
         shift = clip_change(centroid)  # [B, 2]
         growth = clip_change(area.sqrt())  # [B]
         out = torch.full((b,), float("nan"))
