@@ -39,6 +39,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args: tuple)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        # no rank closes its gloo pairs while a peer still has work in flight (a peer's teardown then
+        # aborted that rank now and then: "terminate called without an active exception")
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
