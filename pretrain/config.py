@@ -11,6 +11,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -50,9 +51,10 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
             raise ConfigError(f"command line: override '{item}' must look like key.path=value")
         key, _, raw = item.partition("=")
         try:  # update, not a merge of a dotlist: `stages.1.overrides=[...]` indexes the list
-            value = OmegaConf.from_dotlist([f"value={raw}"])["value"]
+            parsed = OmegaConf.from_dotlist([f"value={raw}"])  # the value as a dotlist parses it,
+            value = OmegaConf.to_container(parsed, resolve=False)["value"]  # ${...} kept for the full config
             OmegaConf.update(cfg, key.strip(), value, merge=True)
-        except (OmegaConfBaseException, TypeError, IndexError) as e:
+        except (OmegaConfBaseException, TypeError, IndexError, yaml.YAMLError) as e:
             raise ConfigError(f"command line: {_describe(e)} (in '{item}')") from e
     try:
         obj = OmegaConf.to_object(cfg)

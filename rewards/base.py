@@ -113,6 +113,9 @@ def _check_params(obj, params: dict, key: str) -> None:
     except TypeError as e:
         raise ValueError(f"{key}: bad parameters {sorted(params)} for {getattr(obj, '__name__', obj)}{sig}: "
                          f"{e}") from e
+    check = getattr(obj, "check_params", None)  # a factory that wraps other rewards checks them too
+    if callable(check):
+        check(params, key)
 
 
 def build_reward(name: str, **params) -> RewardModel:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from rewards.base import build_reward, register
+from rewards.base import build_from_spec, check_reward_weights, register
+from rewards.specs import RewardSpec
 
 
 @register("ensemble")
@@ -23,15 +24,15 @@ class Ensemble:
     name = "ensemble"
 
     def __init__(self, members: list):
-        if not members:
-            raise ValueError("ensemble.members: give at least one {name: ..., <parameters>} entry")
-        self.members = []
-        for i, spec in enumerate(members):
-            params = dict(spec)
-            name = params.pop("name", None)
-            if not name:
-                raise ValueError(f"ensemble.members.{i}: missing 'name' (a reward name or pkg.module:attr)")
-            self.members.append((str(name), build_reward(str(name), **params)))
+        self.members = [(name, build_from_spec(RewardSpec(name, 1.0, params), f"ensemble.members.{i}"))
+                        for i, (name, params) in enumerate(_member_specs(members, "ensemble"))]
+
+    @staticmethod
+    def check_params(params: dict, key: str) -> None:
+        """Config-time check of every member (name known, parameters accepted), nothing built;
+        ``ValueError`` naming ``<key>.members.<i>``."""
+        for i, (name, member_params) in enumerate(_member_specs(params.get("members"), key)):
+            check_reward_weights({name: {"weight": 1.0, **member_params}}, f"{key}.members.{i}")
 
     def __call__(self, images, prompts=None, metadata=None) -> torch.Tensor:
         b = images.shape[0]
@@ -43,3 +44,18 @@ class Ensemble:
             scores.append(s)
         return torch.stack(scores).nanmean(dim=0)
 
+
+def _member_specs(members, key: str) -> list[tuple[str, dict]]:
+    """(name, parameters) of each member entry; ``ValueError`` naming ``<key>.members[.i]``."""
+    if not members:
+        raise ValueError(f"{key}.members: give at least one {{name: ..., <parameters>}} entry")
+    out = []
+    for i, spec in enumerate(members):
+        if not hasattr(spec, "keys"):
+            raise ValueError(f"{key}.members.{i}: must be a mapping {{name: ..., <parameters>}}, got {spec!r}")
+        params = dict(spec)
+        name = params.pop("name", None)
+        if not name:
+            raise ValueError(f"{key}.members.{i}: missing 'name' (a reward name or pkg.module:attr)")
+        out.append((str(name), params))
+    return out

@@ -15,8 +15,8 @@ frame) are taken, and a least-squares line through all F frames gives the change
 - growing / shrinking: the change of the linear size sqrt(area) in the named sense (frame units; a
   real clip, half to full size, about 0.13).
 
-float32 ``[B]``, clamped to [-1, 1]; NaN when the prompt names no direction, or when a video has no
-foreground at all. Nothing across the axis is penalised: a still clip scores 0, as does one moving
+float32 ``[B]``, clamped to [-1, 1]; NaN when the prompt names no direction, or when some frame of the
+video has no pixel above the floor (no sprite to track there; GRPO masks such samples out). Nothing across the axis is penalised: a still clip scores 0, as does one moving
 across, and the opposite motion scores below both.
 """
 
@@ -74,7 +74,7 @@ class MotionDisplacement:
             raise ValueError(f"{self.name}: {b} videos but {len(prompts)} prompts")
         centroid, area = soft_tracks(videos, self.floor)
         shift = clip_change(centroid)  # [B, 2]
-        growth = clip_change(area.sqrt())  # [B]
+        growth = clip_change(area.sqrt()).masked_fill((area <= 0).any(1), float("nan"))  # [B]
         out = torch.full((b,), float("nan"))
         for i, prompt in enumerate(prompts):
             direction = named_direction(prompt)

@@ -132,3 +132,13 @@ def test_command_line_override_indexes_a_list_of_stages():
     assert cfg.stages[0].command == "pretrain" and cfg.stages[0].overrides == []  # the rest of the list is kept
     with pytest.raises(ConfigError, match=r"stages\[5\].*in 'stages.5.overrides"):
         load_config(PipelineConfig, path, ["stages.5.overrides=[train.steps=1]"])
+
+
+def test_command_line_override_keeps_interpolations_and_names_bad_yaml():
+    from posttrain.grpo import GRPOConfig
+    from pretrain.config import load_config
+
+    cfg = load_config(GRPOConfig, GRPO_TINY, ["model.pretrained=/x", "run_dir=${model.pretrained}/grpo_run"])
+    assert cfg.run_dir == "/x/grpo_run"  # resolved against the whole config, not the override alone
+    with pytest.raises(ConfigError, match=r"command line: .*in 'model.pretrained=\[1, 2'"):
+        load_config(GRPOConfig, GRPO_TINY, ["model.pretrained=[1, 2"])

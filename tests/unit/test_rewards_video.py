@@ -91,8 +91,17 @@ def test_motion_displacement_is_the_signed_shift_along_the_named_direction(apple
     assert grow[0].item() > 0.05 and grow[1].item() == pytest.approx(-grow[0].item(), abs=1e-6)
     static = make_clip(apple, "left", 2, 32)[:1].expand(8, -1, -1, -1)[None].float() / 255
     assert abs(reward(static, ["a red apple moving up"]).item()) < 1e-6
-    # smooth: half the sprite's contrast still gives the same shift (no threshold), a blank clip is NaN
+    # smooth: half the sprite's contrast still gives the same shift (no hard mask); a blank clip, or one
+    # with a blank frame, is NaN for every kind of motion
     faded = 1 - 0.5 * (1 - videos[:1])
     assert reward(faded, ["red apple moving left"]).item() == pytest.approx(0.5, abs=1e-3)
     assert math.isnan(reward(torch.ones(1, 4, 3, 16, 16), ["a red apple moving up"]).item())
+    gap = videos[4:5].clone()
+    gap[:, -1] = 1.0
+    assert math.isnan(reward(gap, ["red apple growing"]).item())
+    # the floor: faint canvas noise (below 0.1) leaves the shift as it is; without the floor it shrinks
+    noisy = (videos[:1] - 0.08 * torch.rand(videos[:1].shape, generator=torch.Generator().manual_seed(0))).clamp(0, 1)
+    assert reward(noisy, ["red apple moving left"]).item() == pytest.approx(0.5, abs=0.02)
+    unfloored = build_reward("motion_displacement", floor=0.0)(noisy, ["red apple moving left"]).item()
+    assert unfloored < 0.4
     assert math.isnan(reward(videos[:1], ["a red apple"]).item())
