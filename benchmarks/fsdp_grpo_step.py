@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--train-batch-size", type=int, default=32, help="training mini-batch (of 32 samples)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="mini-batches per optimizer step")
     args = ap.parse_args()
     from benchmarks.gpu_check import make_encoder, make_shapes
     from posttrain.grpo import GRPOConfig, GRPORun
@@ -52,7 +54,8 @@ def main() -> None:
     cfg = load_config(GRPOConfig, "configs/grpo/emoji_tiny.yaml", [
         f"run_dir={work / 'grpo'}", f"model.pretrained={export}", *base, f"train.steps={args.iterations}",
         "parallel.always_shard=true", "parallel.param_dtype=bf16", "train.precision=bf16", "eval.every=0",
-        "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.batch_size=32", "train.batch_size=32"])
+        "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.batch_size=32",
+        f"train.batch_size={args.train_batch_size}", f"train.grad_accum={args.grad_accum}"])
     run = GRPORun(cfg)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
