@@ -16,6 +16,7 @@ the text head and ``logit_scale``; MiniLM itself is read from ``text_path``).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -121,6 +122,13 @@ class TextFeatures:
         return torch.stack([self.cache[p] for p in prompts]) if prompts else torch.zeros(0, self.dim)
 
 
+@functools.lru_cache(maxsize=None)
+def shared_text_features(path: str | None, max_length: int, device: str) -> TextFeatures:
+    """One frozen MiniLM (and one prompt cache) per (folder, length, device), shared by every
+    learned_clip reward in the process: an ensemble of K members loads and encodes once, not K times."""
+    return TextFeatures(path, max_length, device)
+
+
 def save_learned_clip(net: ClipNet, folder: str | Path) -> Path:
     """Write ``config.json`` + ``model.safetensors`` to ``folder`` (created); returns it."""
     from safetensors.torch import save_file
@@ -161,7 +169,7 @@ class LearnedClip:
     def __init__(self, path: str, device: str = "cpu", logit: bool = False):
         self.net = load_learned_clip(path, device)
         self.device, self.logit = torch.device(device), bool(logit)
-        self.text = TextFeatures(self.net.cfg.text_path, self.net.cfg.text_max_length, device)
+        self.text = shared_text_features(self.net.cfg.text_path, self.net.cfg.text_max_length, device)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
@@ -211,7 +219,6 @@ class LearnedClipContrastive(LearnedClip):
         return (own - torch.logsumexp(torch.cat([own[:, None], others], 1), 1)).float().cpu()
 
 
-
 @register("learned_clip_retrieval")
 class LearnedClipRetrieval(LearnedClip):
     """Text retrieval as a score: 1.0 when prompt_i is among the ``top_k`` captions most similar to
@@ -225,9 +232,9 @@ class LearnedClipRetrieval(LearnedClip):
 
     def __init__(self, path: str, device: str = "cpu", top_k: int = 5, candidates: str | None = None):
         super().__init__(path, device)
-        if top_k < 1:
-            raise ValueError(f"learned_clip_retrieval.top_k: must be >= 1, got {top_k}")
-        self.top_k = int(top_k)
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"learned_clip_retrieval.top_k: must be an integer >= 1, got {top_k!r}")
+        self.top_k = top_k
         self.extra: list[str] = []
         if candidates:
             if not Path(candidates).is_file():
@@ -240,6 +247,7 @@ class LearnedClipRetrieval(LearnedClip):
         pool = sorted(set(self.extra) | set(prompts))
         img = self.net.image_embeds(images.to(self.device))
         sims = img @ self.net.text_embeds(self.text(pool).to(self.device)).T  # [B, M]
-        own = torch.tensor([pool.index(p) for p in prompts], device=sims.device)
+        where = {p: j for j, p in enumerate(pool)}
+        own = torch.tensor([where[p] for p in prompts], device=sims.device)
         rank = (sims > sims.gather(1, own[:, None])).sum(1)  # 0 = the best match
         return (rank < self.top_k).float().cpu()

@@ -32,16 +32,23 @@ def named_direction(prompt: str) -> str | None:
     return found[-1].lower() if found else None
 
 
-def sprite_masks(videos: torch.Tensor, color_threshold: float) -> torch.Tensor:
-    """bool ``[B, F, H, W]``: pixels farther than ``color_threshold`` from their frame's border median."""
+def background_distance(videos: torch.Tensor) -> torch.Tensor:
+    """float ``[B, F, H, W]`` in [0, 1]: each pixel's distance (max over RGB) from its frame's border
+    median, the plain canvas's colour."""
     border = torch.cat([videos[..., 0, :], videos[..., -1, :], videos[..., :, 0], videos[..., :, -1]], dim=-1)
     background = border.median(dim=-1).values  # [B, F, 3]
-    return (videos - background[..., None, None]).abs().amax(dim=2) > color_threshold
+    return (videos - background[..., None, None]).abs().amax(dim=2)
+
+
+def sprite_masks(videos: torch.Tensor, color_threshold: float) -> torch.Tensor:
+    """bool ``[B, F, H, W]``: pixels farther than ``color_threshold`` from their frame's border median."""
+    return background_distance(videos) > color_threshold
 
 
 def track(masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Centroids float32 ``[B, F, 2]`` (y, x in units of the frame size; NaN where a frame has no sprite)
-    and areas ``[B, F]`` (share of the frame) of ``masks`` ``[B, F, H, W]``."""
+    and areas ``[B, F]`` (share of the frame) of ``masks`` ``[B, F, H, W]``: bool, or float weights
+    (a weighted centroid and a weighted area)."""
     _, _, h, w = masks.shape
     m = masks.float()
     area = m.sum(dim=(-2, -1))

@@ -7,8 +7,9 @@ covariance of the reward with the sampling noise, so a reward that is a smooth, 
 of the pixels gives the most signal per sample (a thresholded one throws most of it away). Here every
 pixel weighs its distance d from the background (max over RGB of |pixel - border median|, in [0, 1])
 less a floor, max(d - floor, 0) (default 0.1: the faint noise an SDE sample leaves on the canvas would
-otherwise carry half the weight and pull every centroid to the middle); per frame the weighted centroid (y, x in frame units) and the weighted area (share of the
-frame) are taken, and a least-squares line through all F frames gives the change over the clip:
+otherwise carry half the weight and pull every centroid to the middle); per frame the weighted
+centroid (y, x in frame units) and the weighted area (share of the frame) are taken, and a
+least-squares line through all F frames gives the change over the clip:
 
 - left / right / up / down: the centroid's change along the named axis in the named sense (frame
   units; the real clips of ``pretrain/data/moving_emoji.py`` move about 0.375);
@@ -16,8 +17,9 @@ frame) are taken, and a least-squares line through all F frames gives the change
   real clip, half to full size, about 0.13).
 
 float32 ``[B]``, clamped to [-1, 1]; NaN when the prompt names no direction, or when some frame of the
-video has no pixel above the floor (no sprite to track there; GRPO masks such samples out). Nothing across the axis is penalised: a still clip scores 0, as does one moving
-across, and the opposite motion scores below both.
+video has no pixel above the floor (no sprite to track there; GRPO masks such samples out). Nothing
+across the axis is penalised: a still clip scores 0, as does one moving across, and the opposite
+motion scores below both.
 """
 
 from __future__ import annotations
@@ -25,25 +27,14 @@ from __future__ import annotations
 import torch
 
 from rewards.base import register
-from rewards.motion import DIRECTIONS, named_direction
+from rewards.motion import DIRECTIONS, background_distance, named_direction, track
 from rewards.video_checks import check_video
 
 
 def soft_tracks(videos: torch.Tensor, floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted centroids float32 ``[B, F, 2]`` (y, x in frame units; NaN for an empty frame) and
     weighted areas ``[B, F]`` of videos ``[B, F, 3, H, W]`` in [0, 1]; weights max(d - ``floor``, 0)."""
-    v = videos.float()
-    border = torch.cat([v[..., 0, :], v[..., -1, :], v[..., :, 0], v[..., :, -1]], dim=-1)
-    w = ((v - border.median(dim=-1).values[..., None, None]).abs().amax(dim=2) - floor).clamp(min=0)  # [B, F, H, W]
-    h, wd = w.shape[-2:]
-    mass = w.sum(dim=(-2, -1))
-    ys = (torch.arange(h, dtype=torch.float32) + 0.5) / h
-    xs = (torch.arange(wd, dtype=torch.float32) + 0.5) / wd
-    safe = torch.where(mass > 0, mass, torch.ones_like(mass))
-    cy = (w.sum(-1) * ys).sum(-1) / safe
-    cx = (w.sum(-2) * xs).sum(-1) / safe
-    centroid = torch.stack([cy, cx], dim=-1).masked_fill((mass <= 0)[..., None], float("nan"))
-    return centroid, mass / (h * wd)
+    return track((background_distance(videos.float()) - floor).clamp(min=0))
 
 
 def clip_change(series: torch.Tensor) -> torch.Tensor:
@@ -58,8 +49,8 @@ def clip_change(series: torch.Tensor) -> torch.Tensor:
 class MotionDisplacement:
     """Smooth signed motion along the prompt's direction (see the module docstring), float32 ``[B]``
     in [-1, 1], NaN where the prompt names no direction. Input: videos float ``[B, F, 3, H, W]`` in
-    [0, 1] with F >= 2, ``B`` prompts. Parameter: ``floor`` (default 0.1, [0, 1] units). ``ValueError`` for a tensor that is not a batch of videos or a
-    prompt count that does not match."""
+    [0, 1] with F >= 2, ``B`` prompts. Parameter: ``floor`` (default 0.1, [0, 1] units). ``ValueError``
+    for a tensor that is not a batch of videos or a prompt count that does not match."""
 
     name = "motion_displacement"
 

@@ -141,3 +141,10 @@ def test_retrieval_score_is_the_rank_of_the_own_prompt(saved, tmp_path):
     assert (wider(images, prompts) <= build_reward("learned_clip_retrieval", path=str(folder), top_k=1)(images, prompts)).all()
     with pytest.raises(ValueError, match="top_k"):
         build_reward("learned_clip_retrieval", path=str(folder), top_k=0)
+
+
+def test_learned_clip_rewards_share_one_text_encoder(saved):
+    folder, _ = saved
+    a = build_reward("learned_clip", path=str(folder))
+    b = build_reward("learned_clip_retrieval", path=str(folder))
+    assert a.text is b.text  # an ensemble of K members loads MiniLM once and encodes each prompt once
