@@ -41,7 +41,9 @@ class RolloutConfig:
     (0.7; 0 = the ODE), CFG ``guidance_scale`` (also used when recomputing log-probs), schedule
     ``shift``; ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a
     time; ``timestep_fraction`` of transitions trained, ``timestep_selection`` "first" or "random"
-    (one random subset per iteration, shared by its samples)."""
+    (one random subset per iteration, shared by its samples); ``shared_initial_noise``: every sample of
+    a prompt group starts from the same initial noise (DanceGRPO), so rewards within a group differ
+    only through the SDE noise the log-probs credit."""
 
     num_inference_steps: int = 10
     noise_level: float = 0.7
@@ -52,6 +54,7 @@ class RolloutConfig:
     batch_size: int = 32
     timestep_fraction: float = 0.99
     timestep_selection: str = "first"
+    shared_initial_noise: bool = False
 
     def validate(self, prefix: str = "") -> None:
         require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
@@ -227,7 +230,8 @@ class GRPORun:
                                         ro.group_size, ro.batch_size, st.null, self.sigmas, ro.noise_level,
                                         ro.guidance_scale, self.latent_shape, seed, it, st.device, offset,
                                         on_batch=lambda b: self.scorer.submit(b.images, b.prompts,
-                                                                              {"sample_ids": b.sample_ids}))
+                                                                              {"sample_ids": b.sample_ids}),
+                                        shared_initial_noise=ro.shared_initial_noise)
             t1 = time.perf_counter()
             total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
             adv, valid, zero = self.advantages(total, raw, group_ids)

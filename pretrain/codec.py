@@ -55,13 +55,19 @@ class VideoPatchifyCodec:
     """Pixel-space video: videos ``[B, F, 3, H, W]`` in [0, 1] to [-1, 1], then space-to-depth by
     ``factor`` per frame, laid out as video latents ``[B, 3 * factor**2, F, H / factor, W / factor]``
     (the ``[B, C, F, h, w]`` layout of diffusers video transformers). ``frames``: F, for
-    ``latent_shape``. Decoding clamps to [0, 1]."""
+    ``latent_shape``. Decoding clamps to [0, 1].
 
-    def __init__(self, factor: int = 1, frames: int = 8):
+    ``frame_code``: append one latent channel holding each frame's index, linearly from -1 (first
+    frame) to 1 (last), constant over the frame; decoding drops it. A transformer whose only temporal
+    positions are relative (Wan's 3-D RoPE) over a codec that treats every frame alike is equivariant
+    to reversing time, so it cannot tell "moving left" from its reverse, "moving right"; the code is
+    the absolute temporal signal a causal video VAE gives by encoding the first frame on its own."""
+
+    def __init__(self, factor: int = 1, frames: int = 8, frame_code: bool = False):
         if factor < 1 or frames < 1:
             raise ValueError(f"VideoPatchifyCodec: factor and frames must be >= 1, got {factor}, {frames}")
-        self.frames, self.image = frames, PatchifyCodec(factor)
-        self.channels, self.downsample = self.image.channels, factor
+        self.frames, self.image, self.frame_code = frames, PatchifyCodec(factor), bool(frame_code)
+        self.channels, self.downsample = self.image.channels + int(self.frame_code), factor
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.channels, self.frames, height // self.downsample, width // self.downsample)
@@ -69,9 +75,15 @@ class VideoPatchifyCodec:
     def encode(self, videos: torch.Tensor) -> torch.Tensor:
         b, f = videos.shape[:2]
         x = self.image.encode(videos.flatten(0, 1))
-        return x.view(b, f, *x.shape[1:]).transpose(1, 2)
+        x = x.view(b, f, *x.shape[1:]).transpose(1, 2)
+        if not self.frame_code:
+            return x
+        code = torch.linspace(-1, 1, f, dtype=x.dtype, device=x.device) if f > 1 else x.new_zeros(1)
+        return torch.cat([x, code.view(1, 1, f, 1, 1).expand(b, 1, f, *x.shape[3:])], dim=1)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.frame_code:
+            latents = latents[:, :-1]
         b, _, f = latents.shape[:3]
         x = self.image.decode(latents.transpose(1, 2).flatten(0, 1))
         return x.view(b, f, *x.shape[1:])
@@ -116,12 +128,14 @@ from dataclasses import dataclass  # noqa: E402
 @dataclass
 class CodecConfig:
     """``name``: "patchify" (pixel space, ``factor`` space-to-depth), "video_patchify" (the same per
-    frame of ``frames``-frame videos) or "vae" (a diffusers ``AutoencoderKL`` from the local folder
+    frame of ``frames``-frame videos; ``frame_code`` adds the frame-index channel of
+    :class:`VideoPatchifyCodec`) or "vae" (a diffusers ``AutoencoderKL`` from the local folder
     ``path``/``subfolder``)."""
 
     name: str = "patchify"
     factor: int = 1
     frames: int = 8
+    frame_code: bool = False
     path: str | None = None
     subfolder: str = "vae"
 
@@ -132,7 +146,7 @@ def build_codec(cfg: CodecConfig, device: str = "cpu") -> Codec:
     if cfg.name == "patchify":
         return PatchifyCodec(cfg.factor)
     if cfg.name == "video_patchify":
-        return VideoPatchifyCodec(cfg.factor, cfg.frames)
+        return VideoPatchifyCodec(cfg.factor, cfg.frames, cfg.frame_code)
     if cfg.name == "vae":
         if not cfg.path:
             raise ValueError("codec.path: required for the 'vae' codec (a local diffusers folder)")

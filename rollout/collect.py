@@ -29,14 +29,15 @@ class TimedCodec:
 def collect_rollouts(model, codec, prompts: EncodedSet, prompt_idx: list[int], group_size: int, batch_size: int,
                      null: PromptEmbeds, sigmas: torch.Tensor, noise_level: float, guidance_scale: float,
                      latent_shape: tuple[int, ...], seed: int, iteration: int, device,
-                     sample_offset: int = 0, on_batch: Callable[[Trajectory], None] | None = None
-                     ) -> Trajectory:
+                     sample_offset: int = 0, on_batch: Callable[[Trajectory], None] | None = None,
+                     shared_initial_noise: bool = False) -> Trajectory:
     """``group_size`` samples for each prompt in ``prompt_idx`` (indices into ``prompts``). Sample
     ``p * group_size + g`` (plus ``sample_offset``, a rank's share start) is the global index that
     seeds its noise; its group id is ``p``. Sampled in batches of ``batch_size``.
 
     ``on_batch(batch_trajectory)`` is called, in batch order, as soon as each batch is decoded (e.g. to
-    submit its reward scoring while the next batch samples)."""
+    submit its reward scoring while the next batch samples). ``shared_initial_noise``: a group's samples
+    start from one initial noise (``rollout_noise``'s ``shared_group_size``)."""
     n = len(prompt_idx) * group_size
     out = []
     for start in range(0, n, batch_size):
@@ -45,7 +46,8 @@ def collect_rollouts(model, codec, prompts: EncodedSet, prompt_idx: list[int], g
         _, embeds, captions = prompts.batch([prompt_idx[g] for g in groups])
         out.append(sde_rollout(model, codec, embeds, null, captions, torch.as_tensor(groups),
                                [sample_offset + i for i in ids], sigmas, noise_level, guidance_scale,
-                               latent_shape, seed, iteration, device))
+                               latent_shape, seed, iteration, device,
+                               group_size if shared_initial_noise else None))
         if on_batch is not None:
             on_batch(out[-1])
     return Trajectory.cat(out)

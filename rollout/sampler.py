@@ -11,16 +11,24 @@ from rollout.sde import sde_step
 from rollout.trajectory import Trajectory
 
 
-def rollout_noise(shape: tuple[int, ...], num_steps: int, seed: int, step: int, sample_ids: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def rollout_noise(shape: tuple[int, ...], num_steps: int, seed: int, step: int, sample_ids: list[int],
+                  shared_group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Initial noise ``[B, *shape]`` and per-transition noise ``[B, T, *shape]`` (float32, CPU): sample
     i's draws come from the generator (seed, "rollout", step, sample_ids[i]) only, so they do not
-    depend on batch layout or rank."""
+    depend on batch layout or rank.
+
+    ``shared_group_size`` = G: samples ``i`` with the same ``sample_ids[i] // G`` (one prompt group)
+    start from the same initial noise, drawn from (seed, "rollout", step, sample_ids[i] // G, "init"), as
+    DanceGRPO does (Xue et al. 2025, arXiv 2505.07818): the group's rewards then differ only through
+    the SDE's per-transition noise, the part of the trajectory the log-probs credit."""
     init, steps = [], []
     for i in sample_ids:
         g = generator_for(seed, "rollout", step, int(i))
         init.append(torch.randn(shape, generator=g))
         steps.append(torch.randn((num_steps, *shape), generator=g))
+        if shared_group_size:
+            group = generator_for(seed, "rollout", step, int(i) // shared_group_size, "init")
+            init[-1] = torch.randn(shape, generator=group)
     return torch.stack(init), torch.stack(steps)
 
 
@@ -28,13 +36,14 @@ def rollout_noise(shape: tuple[int, ...], num_steps: int, seed: int, step: int, 
 def sde_rollout(model, codec, embeds: PromptEmbeds, null_embeds: PromptEmbeds, prompts: list[str],
                 group_ids: torch.Tensor, sample_ids: list[int], sigmas: torch.Tensor, noise_level: float,
                 guidance_scale: float, latent_shape: tuple[int, ...], seed: int, step: int,
-                device: torch.device) -> Trajectory:
+                device: torch.device, shared_group_size: int | None = None) -> Trajectory:
     """Sample one batch with the SDE and record every latent and log-prob.
 
     ``model``: a :class:`pretrain.backbone.Backbone`; ``sigmas``: its ``model.sigmas(...)``. The first
-    state is the unit noise times ``model.initial_scale(sigmas[0])``."""
+    state is the unit noise times ``model.initial_scale(sigmas[0])``; ``shared_group_size``: see
+    :func:`rollout_noise`."""
     num_steps = len(sigmas) - 1
-    x, z = rollout_noise(latent_shape, num_steps, seed, step, sample_ids)
+    x, z = rollout_noise(latent_shape, num_steps, seed, step, sample_ids, shared_group_size)
     x, z = x.to(device) * model.initial_scale(float(sigmas[0])), z.to(device)
     embeds = embeds.to(device)
     null = null_embeds.to(device)

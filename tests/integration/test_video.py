@@ -25,7 +25,8 @@ def video_export(tmp_path_factory):
     return train(load_config(PretrainConfig, ROOT / "configs/pretrain/moving_emoji_tiny.yaml", [f"run_dir={run}"]))
 
 
-def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(video_export):
+@pytest.mark.parametrize("shared_initial_noise", [False, True])
+def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(video_export, shared_initial_noise):
     model, encoder, codec, meta = load_exported(video_export)
     assert type(model).__name__ == "WanVideoAdapter" and meta["arch"] == "wan"
     train, _ = build_datasets(DataConfig(source="moving_emoji", size=16, frames=4, limit=16), encoder)
@@ -37,8 +38,11 @@ def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(video_expo
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # the policy differs from the reference
         traj = collect_rollouts(model.eval(), codec, train, [0, 1, 2], 2, 4, null, model.sigmas(STEPS, 3.0), NOISE,
-                                SCALE, codec.latent_shape(16, 16), 0, 0, "cpu")
-    assert traj.latents.shape == (6, STEPS + 1, 12, 4, 8, 8) and traj.images.shape == (6, 4, 3, 16, 16)
+                                SCALE, codec.latent_shape(16, 16), 0, 0, "cpu", shared_initial_noise=shared_initial_noise)
+    assert traj.latents.shape == (6, STEPS + 1, 13, 4, 8, 8) and traj.images.shape == (6, 4, 3, 16, 16)
+    # groups of 2: a shared start (DanceGRPO) or each sample its own; the SDE noise always differs
+    assert torch.equal(traj.latents[0::2, 0], traj.latents[1::2, 0]) == shared_initial_noise
+    assert not torch.equal(traj.latents[0::2, 1], traj.latents[1::2, 1])
     model.train()
     for t in range(STEPS):  # mini-batches of 3, not the rollout's 4 + 2
         for start in (0, 3):
@@ -64,7 +68,7 @@ def test_video_grpo_runs_with_video_rewards(video_export, tmp_path):
         frames = imageio.mimread(grid.with_suffix(suffix))
         assert len(frames) == 4 and frames[0].shape[2] == 3
     model, _, codec, meta = load_exported(out)
-    assert meta["arch"] == "wan" and codec.latent_shape(16, 16) == (12, 4, 8, 8)
+    assert meta["arch"] == "wan" and codec.latent_shape(16, 16) == (13, 4, 8, 8)
 
 
 def video_brightness(images, prompts=None, metadata=None):

@@ -50,3 +50,31 @@ def test_patchify_codec_roundtrip():
         z = c.encode(img)
         assert z.shape == (2, 3 * f * f, 8 // f, 8 // f) and z.min() >= -1 and z.max() <= 1
         torch.testing.assert_close(c.decode(z), img)
+
+
+def test_video_patchify_frame_code_roundtrips_and_marks_absolute_time():
+    from pretrain.codec import VideoPatchifyCodec, build_codec
+
+    videos = torch.rand(2, 4, 3, 8, 8)
+    plain, coded = VideoPatchifyCodec(2, 4), build_codec(CodecConfig(name="video_patchify", factor=2, frames=4,
+                                                                      frame_code=True))
+    z = coded.encode(videos)
+    assert coded.channels == 13 and z.shape == (2, 13, 4, 4, 4) == (2, *coded.latent_shape(8, 8))
+    torch.testing.assert_close(z[:, :12], plain.encode(videos))
+    # the last channel is the frame index, -1 .. 1, constant over each frame
+    torch.testing.assert_close(z[:, 12], torch.tensor([-1, -1 / 3, 1 / 3, 1]).view(1, 4, 1, 1).expand(2, 4, 4, 4))
+    torch.testing.assert_close(coded.decode(z), videos)
+    # reversing time reverses the pixel channels but not the code: a clip and its reverse are told apart
+    z_rev = coded.encode(videos.flip(1))
+    torch.testing.assert_close(z_rev[:, :12], z[:, :12].flip(2))
+    assert torch.equal(z_rev[:, 12], z[:, 12]) and not torch.equal(z_rev[:, 12], z[:, 12].flip(1))
+
+
+def test_exported_video_codec_keeps_its_frame_code(tmp_path):
+    from pretrain.video_models import build_wan_transformer
+
+    codec_cfg = CodecConfig(name="video_patchify", factor=2, frames=4, frame_code=True)
+    out = export_model(build_wan_transformer("tiny", {}, 13, 384), tmp_path / "export", TextEncoderConfig(), codec_cfg, 16,
+                       {"shift": 1.0, "num_inference_steps": 4, "guidance_scale": 1.0}, arch="wan")
+    _, _, codec, meta = load_exported(out)
+    assert meta["codec"]["frame_code"] is True and codec.latent_shape(16, 16) == (13, 4, 8, 8)
