@@ -53,15 +53,18 @@ class PatchifyCodec:
 
 class VideoPatchifyCodec:
     """Pixel-space video: videos ``[B, F, 3, H, W]`` in [0, 1] to [-1, 1], then space-to-depth by
-    ``factor`` per frame, laid out as video latents ``[B, 3 * factor**2, F, H / factor, W / factor]``
+    ``factor`` per frame, laid out as video latents ``[B, C, F, H / factor, W / factor]`` with
+    C = ``3 * factor**2`` (+ 1 with ``frame_code``); ``decode`` maps such latents back to videos
+    ``[B, F, 3, H, W]`` float32 in [0, 1]
     (the ``[B, C, F, h, w]`` layout of diffusers video transformers). ``frames``: F, for
     ``latent_shape``. Decoding clamps to [0, 1].
 
     ``frame_code``: append one latent channel holding each frame's index, linearly from -1 (first
-    frame) to 1 (last), constant over the frame; decoding drops it. A transformer whose only temporal
-    positions are relative (Wan's 3-D RoPE) over a codec that treats every frame alike is equivariant
-    to reversing time, so it cannot tell "moving left" from its reverse, "moving right"; the code is
-    the absolute temporal signal a causal video VAE gives by encoding the first frame on its own."""
+    frame) to 1 (last), constant over the frame; decoding drops it. Wan's 3-D RoPE gives only relative
+    temporal positions, and over a codec that treats every frame alike the small presets trained
+    nearly time-reversal equivariant (1-2 %), unable to tell "moving left" from its reverse; the code
+    is an absolute temporal cue, as a causal video VAE's separately encoded first frame is. It is
+    noised and denoised with the pixels: a cue the model learns to use, not a guarantee."""
 
     def __init__(self, factor: int = 1, frames: int = 8, frame_code: bool = False):
         if factor < 1 or frames < 1:

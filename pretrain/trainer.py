@@ -69,6 +69,8 @@ class PretrainConfig:
         if video != (self.codec.name == "video_patchify") and self.codec.name != "vae":
             raise ValueError(f"codec.name: '{self.codec.name}' does not fit model.arch '{self.model.arch}' "
                              f"(wan takes video_patchify, sd3 takes patchify)")
+        if self.codec.frame_code and self.codec.name != "video_patchify":
+            raise ValueError(f"codec.frame_code: only the video_patchify codec has a frame code, not '{self.codec.name}'")
         if video and self.codec.frames != self.data.frames:
             raise ValueError(f"codec.frames: {self.codec.frames} differs from data.frames {self.data.frames}")
         if not self.model.pretrained:

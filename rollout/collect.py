@@ -39,6 +39,9 @@ def collect_rollouts(model, codec, prompts: EncodedSet, prompt_idx: list[int], g
     submit its reward scoring while the next batch samples). ``shared_initial_noise``: a group's samples
     start from one initial noise (``rollout_noise``'s ``shared_group_size``)."""
     n = len(prompt_idx) * group_size
+    if shared_initial_noise and sample_offset % group_size:
+        raise ValueError(f"collect_rollouts: sample_offset {sample_offset} is not on a group boundary "
+                         f"(group_size {group_size}): shared initial noise would straddle groups")
     out = []
     for start in range(0, n, batch_size):
         ids = list(range(start, min(n, start + batch_size)))

@@ -12,10 +12,15 @@ cosine estimates |s|^2 / (|s|^2 + E|n|^2): about 0 when one iteration's gradient
 the iteration size needed for a given agreement scales with 1 / cosine. Also prints
 |mean of g_i| / mean |g_i| (1 / sqrt(batches) for pure noise, 1 for a noiseless gradient).
 
-Measured on 2 CPU cores (``configs/grpo/moving_emoji_video.yaml``: 64 videos per estimate, 6
-estimates, from an 800-step frame-coded base at held-out ``motion_direction`` 0.85): a mean-brightness
-reward (``tests/integration/test_video.py``) 0.057 (SE 0.011), ``motion_direction`` 0.014 (SE 0.008),
-``motion_displacement`` -0.001 (SE 0.009). The run directory gets no checkpoint and no export.
+The run writes into a temporary folder (the config's ``run_dir`` is left alone); fp16 is refused
+(its gradients carry the loss scale). The SE is the jackknife's: each estimate enters K - 1 pairs.
+
+Measured on 2 CPU cores with ``configs/grpo/moving_emoji_video.yaml`` and ``rollout.prompts_per_step=8
+rollout.group_size=8 train.batch_size=32 train.grad_accum=1 rollout.shared_initial_noise=false
+data.motions_per_emoji=6 model.pretrained=<an 800-step frame-coded base>`` (64 videos per estimate, 6
+estimates, two optimizer-step gradients summed): a mean-brightness reward
+(``tests/integration/test_video.py``) 0.057 (SE 0.027), ``motion_direction`` 0.014 (SE 0.021),
+``motion_displacement`` -0.001 (SE 0.022).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import itertools
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -39,23 +45,35 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
-    if a.batches < 2:
-        ap.error("--batches: at least 2 estimates are needed for a cosine")
-    cfg = load_config(GRPOConfig, a.config, [*a.overrides, "checkpoint.every=0", f"train.steps={a.batches + 1}"])
+    a = ap.parse_intermixed_args()
+    if a.batches < 3:
+        ap.error("--batches: at least 3 estimates are needed for a cosine and its SE")
+    with tempfile.TemporaryDirectory(prefix="grpo_gradient_snr_") as tmp:
+        measure(a.config, a.overrides, a.batches, tmp)
+
+
+def measure(config: str, overrides: list[str], batches: int, run_dir: str) -> None:
+    """Run ``batches`` non-stepping GRPO iterations of ``config`` in ``run_dir`` and print the agreement."""
+    cfg = load_config(GRPOConfig, config, [*overrides, f"run_dir={run_dir}", "checkpoint.every=0",
+                                           f"train.steps={batches + 1}"])
+    if cfg.train.precision == "fp16":
+        raise SystemExit("train.precision: fp16 gradients carry the loss scale; use fp32 or bf16")
     run = GRPORun(cfg)
     grads: list[torch.Tensor] = []
     pending: list[torch.Tensor] = []
 
     def record(loss_value: float) -> dict:  # replaces the optimizer step: keep the gradient, leave the weights
-        g = torch.cat([p.grad.detach().flatten().float().cpu() for p in run.rt.params if p.grad is not None])
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().float().cpu()
+                       for p in run.rt.params])
+        if not torch.isfinite(g).all():
+            raise SystemExit(f"non-finite gradient in estimate {len(grads) + 1}")
         pending.append(g)
         run.rt.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(g.norm()), "lr": 0.0, "skipped": 0, "nonfinite": "", "nonfinite_total": 0,
                 "amp_overflows": 0}
 
     run.rt.optimizer_step = record
-    for i in range(a.batches):
+    for i in range(batches):
         metrics = run.iteration()
         grads.append(torch.stack(pending).sum(0))
         pending.clear()
@@ -65,10 +83,11 @@ def main() -> None:
     run.scorer.close()
     unit = [g / g.norm().clamp(min=1e-30) for g in grads]
     cos = torch.tensor([float(u @ v) for u, v in itertools.combinations(unit, 2)])
-    # pairs share estimates, so the SE over the K estimates' mean cosines is the honest one
-    per = torch.tensor([float(sum(unit[i] @ unit[j] for j in range(len(unit)) if j != i)) / (len(unit) - 1)
-                        for i in range(len(unit))])
-    se = float(per.std()) / math.sqrt(len(per))
+    # jackknife: leaving estimate i out drops its K - 1 pairs; the pairs share estimates, so the naive SE is too small
+    k = len(unit)
+    per = torch.tensor([sum(float(unit[i] @ unit[j]) for j in range(k) if j != i) / (k - 1) for i in range(k)])
+    loo = (k * float(cos.mean()) - 2 * per) / (k - 2)
+    se = math.sqrt((k - 1) / k * float(((loo - loo.mean()) ** 2).sum()))
     mean_ratio = float(torch.stack(grads).mean(0).norm() / torch.stack([g.norm() for g in grads]).mean())
     print(f"pairwise cosine of {len(grads)} gradient estimates: mean {float(cos.mean()):.4f} (SE {se:.4f}), "
           f"sd {float(cos.std()):.4f}")

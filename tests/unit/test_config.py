@@ -92,6 +92,11 @@ def test_pretrain_size_not_divisible_by_patch(capsys):
     assert code == 2 and "data.size" in err
 
 
+def test_frame_code_on_an_image_codec_is_an_error(capsys):
+    code, err = run_cli(capsys, "pretrain", TINY, "codec.frame_code=true")
+    assert code == 2 and "codec.frame_code" in err and "patchify" in err
+
+
 def test_sample_and_eval_reject_non_positive_counts(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["sample", str(tmp_path), "--prompts", "a", "--steps", "0"])
