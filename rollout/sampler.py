@@ -21,14 +21,16 @@ def rollout_noise(shape: tuple[int, ...], num_steps: int, seed: int, step: int, 
     start from the same initial noise, drawn from (seed, "rollout", step, sample_ids[i] // G, "init"), as
     DanceGRPO does (Xue et al. 2025, arXiv 2505.07818): the group's rewards then differ only through
     the SDE's per-transition noise, the part of the trajectory the log-probs credit."""
-    init, steps = [], []
+    init, steps, shared = [], [], {}
     for i in sample_ids:
         g = generator_for(seed, "rollout", step, int(i))
-        init.append(torch.randn(shape, generator=g))
+        init.append(torch.randn(shape, generator=g))  # drawn even when shared: the steps' draws stay the same
         steps.append(torch.randn((num_steps, *shape), generator=g))
         if shared_group_size:
-            group = generator_for(seed, "rollout", step, int(i) // shared_group_size, "init")
-            init[-1] = torch.randn(shape, generator=group)
+            key = int(i) // shared_group_size
+            if key not in shared:  # one draw per group in this batch
+                shared[key] = torch.randn(shape, generator=generator_for(seed, "rollout", step, key, "init"))
+            init[-1] = shared[key]
     return torch.stack(init), torch.stack(steps)
 
 

@@ -26,7 +26,6 @@ estimates, two optimizer-step gradients summed): a mean-brightness reward
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import sys
 import tempfile
@@ -81,11 +80,12 @@ def measure(config: str, overrides: list[str], batches: int, run_dir: str) -> No
                    if k.startswith("reward/") and k.endswith("_mean")}
         print(f"estimate {i + 1}: rewards {rewards}; |g| {float(grads[-1].norm()):.4g}", flush=True)
     run.scorer.close()
-    unit = [g / g.norm().clamp(min=1e-30) for g in grads]
-    cos = torch.tensor([float(u @ v) for u, v in itertools.combinations(unit, 2)])
-    # jackknife: leaving estimate i out drops its K - 1 pairs; the pairs share estimates, so the naive SE is too small
+    unit = torch.stack([g / g.norm().clamp(min=1e-30) for g in grads])
     k = len(unit)
-    per = torch.tensor([sum(float(unit[i] @ unit[j]) for j in range(k) if j != i) / (k - 1) for i in range(k)])
+    gram = unit @ unit.T
+    cos = gram[tuple(torch.triu_indices(k, k, 1))]  # each pair once
+    # jackknife: leaving estimate i out drops its K - 1 pairs; the pairs share estimates, so the naive SE is too small
+    per = (gram.sum(1) - gram.diagonal()) / (k - 1)
     loo = (k * float(cos.mean()) - 2 * per) / (k - 2)
     se = math.sqrt((k - 1) / k * float(((loo - loo.mean()) ** 2).sum()))
     mean_ratio = float(torch.stack(grads).mean(0).norm() / torch.stack([g.norm() for g in grads]).mean())
