@@ -1,11 +1,12 @@
 """Throughput of one GRPO iteration at flow_grpo's tiny SD3 settings (configs/bench/flowgrpo_tiny_sd3.yaml).
 
-    python benchmarks/grpo_iteration.py [--iterations 5] [--warmup 1] [--variants all] [key=value ...]
+    python benchmarks/grpo_iteration.py [--iterations 5] [--warmup 1] [--sweeps 1] [--variants all] [key=value ...]
 
 Per variant (speed options toggled one at a time, each keeping the algorithm's semantics): samples/s,
 seconds per phase (rollout, decode, reward wait, training), useful FLOPs per iteration counted with
-``torch.utils.flop_counter`` and that over the machine's fp32 matmul rate measured in this run at the
-model's GEMM shapes (a CPU "MFU"), peak RSS. flow_grpo's own scripts/train_sd3.py did 0.53 samples/s at
+``torch.utils.flop_counter`` (CPU attention included, see :mod:`benchmarks.kernel_rates`) and that over
+the machine's fp32 matmul rate measured in this run at the model's GEMM shapes (a CPU "MFU"), the
+iteration's floor at the kernel rates measured in this run, peak RSS. flow_grpo's own scripts/train_sd3.py did 0.53 samples/s at
 these settings on a machine whose fp32 2048^3 matmul ran at 54 GFLOP/s (2 threads); the last table
 scales that to this machine's measured 2048^3 rate. Algorithm changes that trade quality for speed are
 listed apart and are not part of that comparison.
@@ -27,6 +28,8 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_assets import build_assets  # noqa: E402
+from benchmarks.kernel_rates import (ATTENTION_OPS, CPU_ATTENTION_FORMULAS, attention_gflops,  # noqa: E402
+                                     kernel_floor_seconds, matmul_gflops, model_shape_gflops)
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.runtime.profiling import peak_rss_mb  # noqa: E402
@@ -34,52 +37,32 @@ from pretrain.runtime.profiling import peak_rss_mb  # noqa: E402
 CONFIG = "configs/bench/flowgrpo_tiny_sd3.yaml"
 FLOW_GRPO_SAMPLES_PER_S, FLOW_GRPO_MATMUL_GFLOPS = 0.53, 54.0
 # name -> overrides; each row adds one speed option to the one above (same loss and gradients).
+_NO_REUSE = "perf.reuse_rollout_uncond=false"
 VARIANTS = {
-    "flow_grpo layout": ["perf.uncond_in_batch=true", "perf.merge_lora=false", "perf.reward_workers=0"],
-    "+ uncond branch without graph": ["perf.merge_lora=false", "perf.reward_workers=0"],
-    "+ LoRA merged for no-grad forwards": ["perf.reward_workers=0"],
-    "+ reward scored during rollout": [],
-    "+ all trained transitions in one forward": ["perf.transitions_per_forward=0"],
-    "+ torch.compile per block": ["perf.transitions_per_forward=0", "perf.compile=true"],
+    "flow_grpo layout": ["perf.uncond_in_batch=true", "perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE],
+    "+ uncond branch without graph": ["perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE],
+    "+ LoRA merged for no-grad forwards": ["perf.reward_workers=0", _NO_REUSE],
+    "+ rollout's uncond velocities before the first step": ["perf.reward_workers=0"],
+    "+ all trained transitions in one forward": ["perf.reward_workers=0", "perf.transitions_per_forward=0"],
+    "+ torch.compile per block": ["perf.reward_workers=0", "perf.transitions_per_forward=0", "perf.compile=true"],
+    "+ reward scored during rollout (a thread)": ["perf.transitions_per_forward=0", "perf.compile=true"],
 }
 # Algorithm changes (not counted toward the comparison).
 TRADEOFFS = {"train 5 of 10 transitions": ["rollout.timestep_fraction=0.5"]}
 
 
-def matmul_gflops(m: int, k: int, n: int, device: torch.device, seconds: float = 1.0) -> float:
-    """fp32 ``[m, k] @ [k, n]`` rate in GFLOP/s (median of timed repeats for about ``seconds``)."""
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        a @ b
-    sync()
-    times, start = [], time.perf_counter()
-    while time.perf_counter() - start < seconds or len(times) < 5:
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 2 * m * k * n / statistics.median(times) / 1e9
-
-
-def model_shape_gflops(device: torch.device, tokens: int = 8 * 256) -> float:
-    """Aggregate fp32 rate over the transformer's GEMMs: a rollout batch of 8 x 256 image tokens against
-    hidden 128 (attention projections, LoRA r 32) and the 4x MLP."""
-    shapes = [(tokens, 128, 128), (tokens, 128, 512), (tokens, 512, 128), (tokens, 128, 32), (tokens, 32, 128)]
-    flops = [2 * m * k * n for m, k, n in shapes]
-    secs = [f / (matmul_gflops(*s, device, 0.3) * 1e9) for f, s in zip(flops, shapes)]
-    return sum(flops) / sum(secs) / 1e9
-
-
-def count_flops(run: GRPORun) -> float:
-    """FLOPs of one iteration (forward, backward, decode), counted on a separate, untimed iteration."""
-    with FlopCounterMode(display=False) as counter:
+def count_flops(run: GRPORun) -> dict[str, int]:
+    """FLOPs of one iteration (forward, backward, decode) per op (``aten.X`` -> ``X``), counted on a separate,
+    untimed iteration, CPU attention included (:data:`benchmarks.kernel_rates.CPU_ATTENTION_FORMULAS`)."""
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FORMULAS) as counter:
         run.iteration()
-    return float(counter.get_total_flops())
+    return {str(op).removeprefix("aten."): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
 
 
-def bench(name: str, overrides: list[str], common: list[str], iterations: int, warmup: int) -> dict:
-    """Warm-up + ``iterations`` timed iterations + one FLOP-counted one, in a fresh run directory."""
+def bench(name: str, overrides: list[str], common: list[str], iterations: int, warmup: int,
+          flops: bool = True) -> dict:
+    """Warm-up + ``iterations`` timed iterations (+ one FLOP-counted one when ``flops``), in a fresh
+    run directory; returns the timed iterations' metrics (``rows``) and the counted FLOPs."""
     run_dir = tempfile.mkdtemp(prefix="grpo_bench_")
     cfg = load_config(GRPOConfig, CONFIG, [*common, *overrides, f"run_dir={run_dir}",
                                            f"train.steps={warmup + iterations + 1}", "checkpoint.every=0"])
@@ -90,12 +73,18 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
     for i in range(iterations):
         rows.append(run.iteration())
         print(f"    {name} iteration {i + 1}: {rows[-1]['samples_per_s']:.3f} samples/s", flush=True)
-    flops = count_flops(run)
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+    counted = count_flops(run) if flops else None
     run.scorer.close()
     run.logger.close()
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"name": name, "flops": flops, "samples": run.n, **med, "peak_rss_mb": peak_rss_mb()}
+    return {"name": name, "flops": counted, "samples": run.n, "rows": rows, "peak_rss_mb": peak_rss_mb()}
+
+
+def medians(results: list[dict]) -> dict:
+    """One variant's sweeps folded: the median of every float metric over all their timed iterations."""
+    rows = [row for r in results for row in r["rows"]]
+    med = {k: statistics.median(row[k] for row in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+    return {**results[0], **med, "peak_rss_mb": max(r["peak_rss_mb"] for r in results)}
 
 
 def main() -> None:
@@ -104,6 +93,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--variants", default="all", help="comma-separated row numbers (0-based) or 'all'")
     ap.add_argument("--tradeoffs", action="store_true", help="also time the algorithm-changing configs")
+    ap.add_argument("--sweeps", type=int, default=1,
+                    help="passes over the variants, every other one in reverse order (drift in the machine's "
+                         "speed then falls on every variant alike); medians over all passes")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every variant")
     a = ap.parse_args()
     base = load_config(GRPOConfig, CONFIG, a.overrides)
@@ -112,35 +104,48 @@ def main() -> None:
     build_assets(base.model, base.model.pretrained, base.data.path)
     ref_rate = matmul_gflops(2048, 2048, 2048, device, 2.0)
     shape_rate = model_shape_gflops(device)
-    print(f"device {device}, {torch.get_num_threads()} threads; fp32 matmul: 2048^3 {ref_rate:.1f} GFLOP/s, "
-          f"model GEMM shapes {shape_rate:.1f} GFLOP/s", flush=True)
+    attn_rates = attention_gflops(device)
+    print(f"device {device}, {torch.get_num_threads()} threads; fp32 GFLOP/s: 2048^3 matmul {ref_rate:.1f}, "
+          f"model GEMM shapes {shape_rate:.1f}, attention forward {attn_rates[0]:.1f} / backward "
+          f"{attn_rates[1]:.1f}", flush=True)
     chosen = list(VARIANTS.items())
     if a.variants != "all":
         chosen = [chosen[int(i)] for i in a.variants.split(",")]
     if a.tradeoffs:
         chosen += list(TRADEOFFS.items())
-    results = []
-    for name, ov in chosen:
-        r = bench(name, ov, a.overrides, a.iterations, a.warmup)
-        results.append(r)
-        print(f"  {name}: {r['samples_per_s']:.3f} samples/s", flush=True)
-    useful = min(r["flops"] for r in results if r["name"] in VARIANTS)
+    runs: dict[str, list[dict]] = {name: [] for name, _ in chosen}
+    for sweep in range(a.sweeps):
+        for name, ov in chosen if sweep % 2 == 0 else chosen[::-1]:
+            runs[name].append(bench(name, ov, a.overrides, a.iterations, a.warmup, flops=not runs[name]))
+            rate = statistics.median(row["samples_per_s"] for row in runs[name][-1]["rows"])
+            print(f"  {name} (pass {sweep + 1}): {rate:.3f} samples/s", flush=True)
+    results = [medians(runs[name]) for name, _ in chosen]
+    for r in results:
+        r["total"], r["floor_s"] = sum(r["flops"].values()), kernel_floor_seconds(r["flops"], shape_rate, attn_rates,
+                                                                                 ref_rate)
+        r["attention"] = sum(n for op, n in r["flops"].items() if op.removesuffix("_backward") in ATTENTION_OPS)
+    lean = min((r for r in results if r["name"] in VARIANTS), key=lambda r: r["total"])
     first = results[0]["samples_per_s"]
     flow_grpo_here = FLOW_GRPO_SAMPLES_PER_S * ref_rate / FLOW_GRPO_MATMUL_GFLOPS
     print("\n| variant | samples/s | vs first row | vs flow_grpo (scaled) | rollout s | decode s | reward wait s "
-          "| train s | GFLOP/iter counted | CPU-MFU | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| train s | GFLOP/iter counted (attention) | CPU-MFU | floor s (share reached) | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         it_s = r["samples"] / r["samples_per_s"]
-        mfu = useful / it_s / (shape_rate * 1e9)
+        mfu = lean["total"] / it_s / (shape_rate * 1e9)
         print(f"| {r['name']} | {r['samples_per_s']:.3f} | {r['samples_per_s'] / first:.2f}x | "
               f"{r['samples_per_s'] / flow_grpo_here:.2f}x | {r['time_rollout_s']:.2f} | {r['time_decode_s']:.2f} | "
-              f"{r['time_reward_wait_s']:.3f} | {r['time_train_s']:.2f} | {r['flops'] / 1e9:.0f} | {mfu:.2f} | "
+              f"{r['time_reward_wait_s']:.3f} | {r['time_train_s']:.2f} | {r['total'] / 1e9:.0f} "
+              f"({r['attention'] / 1e9:.0f}) | {mfu:.2f} | {r['floor_s']:.2f} ({r['floor_s'] / it_s:.2f}) | "
               f"{r['peak_rss_mb']:.0f} |")
-    print(f"\nuseful work: {useful / 1e12:.3f} TFLOP/iteration (the leanest same-semantics variant's count); "
-          f"flow_grpo scaled to this machine: {FLOW_GRPO_SAMPLES_PER_S} x {ref_rate:.1f} / {FLOW_GRPO_MATMUL_GFLOPS}"
-          f" = {flow_grpo_here:.3f} samples/s")
-
+    print(f"\nuseful work: {lean['total'] / 1e12:.3f} TFLOP/iteration, {(lean['total'] - lean['attention']) / 1e12:.3f}"
+          f" without attention (the leanest same-semantics variant's count; CPU-MFU is it over the model-shape GEMM "
+          f"rate). flow_grpo scaled to this machine: {FLOW_GRPO_SAMPLES_PER_S} x {ref_rate:.1f} / "
+          f"{FLOW_GRPO_MATMUL_GFLOPS} = {flow_grpo_here:.3f} samples/s (its 0.97 TFLOP figure, like the CPU "
+          f"counter without these formulas, leaves attention out); 1.5x that is {1.5 * flow_grpo_here:.3f}. "
+          f"The leanest variant's counted work at this machine's kernel rates needs {lean['floor_s']:.2f} s: at most "
+          f"{lean['samples'] / lean['floor_s']:.3f} samples/s before any elementwise op or overhead. Peak RSS is "
+          f"the process's so far.")
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ from pretrain.config import require_positive
 from posttrain.advantages import group_advantages, per_reward_advantages
 from posttrain.distributed_grpo import RankLayout
 from posttrain.grpo_update import GRPOLossConfig, grpo_update
-from posttrain.perf import PerfConfig, compile_blocks
+from posttrain.perf import PerfConfig, compile_blocks, records_uncond
 from posttrain.policy import PolicyConfig
 from posttrain.stage import PolicyStage
 from pretrain.data.dataset import DataConfig, EpochSampler
@@ -231,7 +231,9 @@ class GRPORun:
                                         ro.guidance_scale, self.latent_shape, seed, it, st.device, offset,
                                         on_batch=lambda b: self.scorer.submit(b.images, b.prompts,
                                                                               {"sample_ids": b.sample_ids}),
-                                        shared_initial_noise=ro.shared_initial_noise)
+                                        shared_initial_noise=ro.shared_initial_noise,
+                                        record_uncond=records_uncond(self.perf, cfg.grpo.detach_uncond,
+                                                                     ro.guidance_scale))
             t1 = time.perf_counter()
             total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
             adv, valid, zero = self.advantages(total, raw, group_ids)

@@ -43,13 +43,15 @@ class GRPOLossConfig:
 
 def transition_log_prob(model, traj: Trajectory, t: int | list[int], null: PromptEmbeds, guidance_scale: float,
                         noise_level: float, detach_uncond: bool = True, uncond_model=None,
-                        uncond_in_batch: bool = False):
+                        uncond_in_batch: bool = False, rollout_uncond: bool = False):
     """Recompute transition(s) ``t`` of ``traj`` under ``model``: the ``SDEStep`` whose ``prev_sample``
     is the recorded next latent (so ``log_prob`` is comparable with ``traj.log_probs[:, t]``).
 
     ``t``: one transition (rows = the B samples) or a list of k (one forward over k * B rows, ordered
     transition-major: row j * B + i is sample i at transition t[j]). ``uncond_model`` /
-    ``uncond_in_batch``: see :func:`pretrain.guidance.guided_velocity`."""
+    ``uncond_in_batch``: see :func:`pretrain.guidance.guided_branches`. ``rollout_uncond``: take the
+    unconditional branch from ``traj.uncond_velocities`` (valid only while the weights are the
+    rollout's) instead of a forward."""
     ts = [t] if isinstance(t, int) else list(t)
     dev = traj.latents.device
     sig, idx, b = traj.sigmas.to(dev), torch.as_tensor(ts, device=dev), len(traj)
@@ -58,21 +60,23 @@ def transition_log_prob(model, traj: Trajectory, t: int | list[int], null: Promp
     prev = traj.latents[:, idx + 1].transpose(0, 1).reshape(rows)
     sigma, sigma_next = sig[idx].repeat_interleave(b), sig[idx + 1].repeat_interleave(b)
     embeds = traj.embeds if len(ts) == 1 else PromptEmbeds.cat([traj.embeds] * len(ts))
-    v = guided_velocity(model, x, sigma, embeds, null, guidance_scale, detach_uncond, uncond_model, uncond_in_batch)
+    v_uncond = traj.uncond_velocities[:, idx].transpose(0, 1).reshape(rows) if rollout_uncond else None
+    v = guided_velocity(model, x, sigma, embeds, null, guidance_scale, detach_uncond, uncond_model, uncond_in_batch,
+                        v_uncond)
     return sde_step(x, v, sigma, sigma_next, noise_level, sig[1], prev_sample=prev)
 
 
 def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: torch.Tensor, mask: torch.Tensor,
                     null: PromptEmbeds, cfg: GRPOLossConfig, guidance_scale: float, noise_level: float,
-                    uncond_model=None, uncond_in_batch: bool = False):
+                    uncond_model=None, uncond_in_batch: bool = False, rollout_uncond: bool = False):
     """PPO-clip + beta * KL of a mini-batch, averaged over transition(s) ``t`` (one or a list, computed in
     one forward); returns (float32 loss, stats). The mean over k transitions in one call equals the mean
     of k single-transition losses. ``uncond_model`` computes the detached unconditional branch
-    (default: the policy itself)."""
+    (default: the policy itself); ``rollout_uncond``: see :func:`transition_log_prob`."""
     ts = [t] if isinstance(t, int) else list(t)
     k = len(ts)
     st = transition_log_prob(policy.model, traj, ts, null, guidance_scale, noise_level, cfg.detach_uncond,
-                             uncond_model, uncond_in_batch)
+                             uncond_model, uncond_in_batch, rollout_uncond)
     old = traj.log_probs[:, ts].transpose(0, 1).reshape(-1)
     adv, mask = advantages.repeat(k), mask.repeat(k)
     loss, stats = ppo_clip_loss(st.log_prob, old, adv, cfg.clip_range, mask)
@@ -105,7 +109,9 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
                 perf: PerfConfig | None = None, dp_group=None) -> list[dict]:
     """Inner epochs over ``traj`` in mini-batches shuffled by (seed, "shuffle", iteration, epoch);
     ``runtime.cfg.grad_accum`` mini-batches per optimizer step. Returns per-mini-batch stats.
-    ``perf``: speed options (:class:`posttrain.perf.PerfConfig`; same loss and gradients).
+    ``perf``: speed options (:class:`posttrain.perf.PerfConfig`; same loss and gradients). Until the first
+    optimizer step the unconditional CFG branch is read from ``traj.uncond_velocities`` when the rollout
+    recorded them (the weights are still the rollout's); after it, it is recomputed.
     ``dp_group``: the data-parallel process group when this rank trains its share of the samples; the
     loss is then rescaled by dp x (local valid count) / (global valid count), so that the gradient FSDP
     averages over ranks is the mean over all ranks' valid samples even when ranks mask different
@@ -114,6 +120,8 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
     n = len(traj)
     accum = runtime.cfg.grad_accum
     out, pending = [], 0.0
+    # until the first optimizer step the weights are the rollout's: its unconditional velocities hold
+    reuse = traj.uncond_velocities is not None and cfg.detach_uncond and not perf.uncond_in_batch
     policy.model.train()
     for epoch in range(cfg.inner_epochs):
         perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, epoch))
@@ -129,14 +137,14 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
                 share = len(chunk) / len(timesteps)
                 with runtime.autocast():
                     loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx], null, cfg,
-                                                  guidance_scale, noise_level, uncond, perf.uncond_in_batch)
+                                                  guidance_scale, noise_level, uncond, perf.uncond_in_batch, reuse)
                 runtime.backward(loss * share * weight)
                 pending += loss.item() * share / accum
                 merge_stats(mb_stats, stats, share)
             if (k + 1) % accum == 0:
                 mb_stats.update(runtime.optimizer_step(pending))
                 mb_stats["loss"] = pending
-                pending = 0.0
+                pending, reuse = 0.0, False
             out.append(mb_stats)
     return out
 

@@ -24,13 +24,19 @@ class PerfConfig:
     (the mean over transitions) and gradients, bigger matrix products, k times the activation memory.
     ``compile``: ``torch.compile`` each transformer block (policy, merged copy; first iterations are
     slower while it compiles). ``reward_workers``: threads scoring rewards while the next rollout batch
-    is sampled (0 = score after the whole rollout)."""
+    is sampled (0 = score after the whole rollout). ``reuse_rollout_uncond``: the rollout keeps its
+    unconditional CFG velocities (one more latent-sized tensor per transition) and the mini-batches
+    trained before the iteration's first optimizer step use them instead of a forward: the weights
+    are still the rollout's, so the values are the same (up to batch-layout rounding). With one
+    optimizer step per iteration (``grad_accum`` covering the buffer) no unconditional forward is
+    left in training. Only with a detached unconditional branch and not ``uncond_in_batch``."""
 
     merge_lora: bool = True
     uncond_in_batch: bool = False
     transitions_per_forward: int = 1
     compile: bool = False
     reward_workers: int = 1
+    reuse_rollout_uncond: bool = True
 
     def validate(self, prefix: str = "") -> None:
         if self.transitions_per_forward < 0:
@@ -38,6 +44,11 @@ class PerfConfig:
                              f"{self.transitions_per_forward}")
         if self.reward_workers < 0:
             raise ValueError(f"{prefix}reward_workers: must be >= 0, got {self.reward_workers}")
+
+
+def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:
+    """Whether the rollout should keep its unconditional velocities for the update to reuse."""
+    return perf.reuse_rollout_uncond and detach_uncond and not perf.uncond_in_batch and guidance_scale != 1.0
 
 
 def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:

@@ -30,14 +30,15 @@ def collect_rollouts(model, codec, prompts: EncodedSet, prompt_idx: list[int], g
                      null: PromptEmbeds, sigmas: torch.Tensor, noise_level: float, guidance_scale: float,
                      latent_shape: tuple[int, ...], seed: int, iteration: int, device,
                      sample_offset: int = 0, on_batch: Callable[[Trajectory], None] | None = None,
-                     shared_initial_noise: bool = False) -> Trajectory:
+                     shared_initial_noise: bool = False, record_uncond: bool = False) -> Trajectory:
     """``group_size`` samples for each prompt in ``prompt_idx`` (indices into ``prompts``). Sample
     ``p * group_size + g`` (plus ``sample_offset``, a rank's share start) is the global index that
     seeds its noise; its group id is ``p``. Sampled in batches of ``batch_size``.
 
     ``on_batch(batch_trajectory)`` is called, in batch order, as soon as each batch is decoded (e.g. to
     submit its reward scoring while the next batch samples). ``shared_initial_noise``: a group's samples
-    start from one initial noise (``rollout_noise``'s ``shared_group_size``)."""
+    start from one initial noise (``rollout_noise``'s ``shared_group_size``); ``record_uncond``: keep
+    the unconditional CFG velocities (see :func:`rollout.sampler.sde_rollout`)."""
     n = len(prompt_idx) * group_size
     if shared_initial_noise and sample_offset % group_size:
         raise ValueError(f"collect_rollouts: sample_offset {sample_offset} is not on a group boundary "
@@ -50,7 +51,7 @@ def collect_rollouts(model, codec, prompts: EncodedSet, prompt_idx: list[int], g
         out.append(sde_rollout(model, codec, embeds, null, captions, torch.as_tensor(groups),
                                [sample_offset + i for i in ids], sigmas, noise_level, guidance_scale,
                                latent_shape, seed, iteration, device,
-                               group_size if shared_initial_noise else None))
+                               group_size if shared_initial_noise else None, record_uncond))
         if on_batch is not None:
             on_batch(out[-1])
     return Trajectory.cat(out)

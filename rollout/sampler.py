@@ -6,7 +6,8 @@ import torch
 
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
-from pretrain.guidance import guided_velocity
+from pretrain.flow import cfg_combine
+from pretrain.guidance import guided_branches, guided_velocity
 from rollout.sde import sde_step
 from rollout.trajectory import Trajectory
 
@@ -38,25 +39,35 @@ def rollout_noise(shape: tuple[int, ...], num_steps: int, seed: int, step: int, 
 def sde_rollout(model, codec, embeds: PromptEmbeds, null_embeds: PromptEmbeds, prompts: list[str],
                 group_ids: torch.Tensor, sample_ids: list[int], sigmas: torch.Tensor, noise_level: float,
                 guidance_scale: float, latent_shape: tuple[int, ...], seed: int, step: int,
-                device: torch.device, shared_group_size: int | None = None) -> Trajectory:
+                device: torch.device, shared_group_size: int | None = None, record_uncond: bool = False) -> Trajectory:
     """Sample one batch with the SDE and record every latent and log-prob.
 
     ``model``: a :class:`pretrain.backbone.Backbone`; ``sigmas``: its ``model.sigmas(...)``. The first
     state is the unit noise times ``model.initial_scale(sigmas[0])``; ``shared_group_size``: see
-    :func:`rollout_noise`."""
+    :func:`rollout_noise`. ``record_uncond``: keep the unconditional branch's velocities
+    (``Trajectory.uncond_velocities``, with CFG only) so that training before the first optimizer step
+    reuses them instead of recomputing them (``perf.reuse_rollout_uncond``)."""
     num_steps = len(sigmas) - 1
     x, z = rollout_noise(latent_shape, num_steps, seed, step, sample_ids, shared_group_size)
     x, z = x.to(device) * model.initial_scale(float(sigmas[0])), z.to(device)
     embeds = embeds.to(device)
     null = null_embeds.to(device)
     sig = sigmas.to(device)
-    latents, log_probs = [x], []
+    latents, log_probs, uncond = [x], [], []
+    record = record_uncond and guidance_scale != 1.0
     for t in range(num_steps):
-        v = guided_velocity(model, x, sig[t].expand(x.shape[0]), embeds, null, guidance_scale)
+        s = sig[t].expand(x.shape[0])
+        if record:
+            v_cond, v_uncond = guided_branches(model, x, s, embeds, null)
+            v = cfg_combine(v_cond, v_uncond, guidance_scale)
+            uncond.append(v_uncond.float())
+        else:
+            v = guided_velocity(model, x, s, embeds, null, guidance_scale)
         out = sde_step(x, v, sig[t], sig[t + 1], noise_level, sig[1], noise=z[:, t])
         x = out.prev_sample
         latents.append(x)
         log_probs.append(out.log_prob)
     images = codec.decode(x)
     return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.cpu().clone(), embeds,
-                      images, list(prompts), group_ids.clone(), torch.as_tensor(sample_ids))
+                      images, list(prompts), group_ids.clone(), torch.as_tensor(sample_ids),
+                      torch.stack(uncond, 1) if record else None)

@@ -15,7 +15,9 @@ class Trajectory:
     (per-element-mean log-density of transition t); ``sigmas``: float32 ``[T + 1]``, the schedule used
     (reused, never rebuilt); ``embeds``: prompt embeddings ``[B, ...]``; ``images``: float32
     ``[B, 3, H, W]`` in [0, 1]; ``prompts``: B strings; ``group_ids``: long ``[B]`` (prompt group);
-    ``sample_ids``: long ``[B]`` global sample indices (the seeding key)."""
+    ``sample_ids``: long ``[B]`` global sample indices (the seeding key); ``uncond_velocities``: float32
+    ``[B, T, C, h, w]``, the unconditional CFG branch's velocity at latents[:, t], when the rollout
+    recorded it (``record_uncond``), else None."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
@@ -25,6 +27,7 @@ class Trajectory:
     prompts: list[str]
     group_ids: torch.Tensor
     sample_ids: torch.Tensor
+    uncond_velocities: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -35,7 +38,8 @@ class Trajectory:
         dev = idx.to(self.latents.device)
         return Trajectory(self.latents[dev], self.log_probs[dev], self.sigmas, self.embeds[dev],
                           self.images[idx.to(self.images.device)], [self.prompts[i] for i in idx.tolist()],
-                          self.group_ids[idx], self.sample_ids[idx])
+                          self.group_ids[idx], self.sample_ids[idx],
+                          None if self.uncond_velocities is None else self.uncond_velocities[dev])
 
     @staticmethod
     def cat(items: list["Trajectory"]) -> "Trajectory":
@@ -44,6 +48,8 @@ class Trajectory:
             PromptEmbeds.cat([t.embeds for t in items]), torch.cat([t.images for t in items]),
             [p for t in items for p in t.prompts], torch.cat([t.group_ids for t in items]),
             torch.cat([t.sample_ids for t in items]),
+            None if any(t.uncond_velocities is None for t in items)
+            else torch.cat([t.uncond_velocities for t in items]),
         )
 
 

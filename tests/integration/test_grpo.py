@@ -31,11 +31,11 @@ def _setup(export, seed=0):
     return model, codec, train, null, policy, meta
 
 
-def _rollout(model, codec, train, null, meta, n_prompts=3, group=2, batch=4):
+def _rollout(model, codec, train, null, meta, n_prompts=3, group=2, batch=4, **kw):
     size = meta["image_size"] // codec.downsample
     model.eval()
     return collect_rollouts(model, codec, train, list(range(n_prompts)), group, batch, null,
-                            sigma_schedule(STEPS, 3.0), NOISE, SCALE, (codec.channels, size, size), 0, 0, "cpu")
+                            sigma_schedule(STEPS, 3.0), NOISE, SCALE, (codec.channels, size, size), 0, 0, "cpu", **kw)
 
 
 def test_log_probs_recomputed_in_training_equal_rollout(tiny_export):

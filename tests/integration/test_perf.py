@@ -11,13 +11,15 @@ import torch
 
 from posttrain.grpo import train as grpo_train
 from posttrain.grpo_update import GRPOLossConfig, transition_loss
+from pretrain.runtime.config import OptimConfig, RuntimeConfig
+from pretrain.runtime.runtime import Runtime
 from pretrain.runtime.metrics import read_metrics
 from rewards.scoring import AsyncScorer
 from tests.conftest import grpo_config
 from tests.integration.test_grpo import NOISE, SCALE, STEPS, _rollout, _setup
 
 
-def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch, per):
+def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch, per, rollout_uncond=False):
     """The mini-batch loss over transitions 0..STEPS-2 and the LoRA gradients, ``per`` transitions per
     forward (1 = one at a time, as flow_grpo)."""
     policy.model.train()
@@ -29,7 +31,7 @@ def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch, per):
     for c in range(0, len(ts), per):
         chunk = ts[c:c + per]
         loss, _ = transition_loss(policy, traj, chunk, adv, mask, null, GRPOLossConfig(clip_range=1e-4, beta=0.04),
-                                  SCALE, NOISE, uncond_model, uncond_in_batch)
+                                  SCALE, NOISE, uncond_model, uncond_in_batch, rollout_uncond)
         (loss * len(chunk) / len(ts)).backward()
         total += loss.item() * len(chunk) / len(ts)
     grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
@@ -53,6 +55,44 @@ def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
         assert plain.keys() == fast.keys()
         worst = max((fast[n] - plain[n]).abs().max() for n in plain)
         assert worst <= 1e-5 * scale, (per, worst, scale)
+
+
+def test_rollout_uncond_velocities_give_the_plain_steps_loss_and_gradients(tiny_export):
+    model, codec, train, null, policy, meta = _setup(tiny_export)  # LoRA B != 0: the KL term is live
+    traj = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=4, record_uncond=True)
+    plain_loss, plain = _loss_and_grads(policy, traj, null, None, True, 1)  # flow_grpo's layout
+    scale = max(g.abs().max() for g in plain.values())
+    assert traj.uncond_velocities.shape == (4, STEPS, *traj.latents.shape[2:]) and scale > 0
+    for per in (1, 2, STEPS - 1):  # transition-major rows: the recorded velocities must line up with them
+        fast_loss, fast = _loss_and_grads(policy, traj, null, None, False, per, rollout_uncond=True)
+        assert abs(fast_loss - plain_loss) <= 1e-5 * abs(plain_loss), per
+        worst = max((fast[n] - plain[n]).abs().max() for n in plain)
+        assert worst <= 1e-5 * scale, (per, worst, scale)
+    traj.uncond_velocities[:, 1] += 1.0  # a wrong recorded velocity moves the loss: the values are used
+    moved, _ = _loss_and_grads(policy, traj, null, None, False, 1, rollout_uncond=True)
+    assert abs(moved - plain_loss) > 1e-3 * abs(plain_loss)
+
+
+def test_rollout_uncond_is_reused_only_before_the_first_optimizer_step(tiny_export, monkeypatch):
+    import posttrain.grpo_update as update
+
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    traj = _rollout(model, codec, train, null, meta, n_prompts=3, group=2, batch=4, record_uncond=True)
+    flags, real = [], update.transition_loss
+
+    def spy(*args):
+        flags.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(update, "transition_loss", spy)
+    adv, mask = torch.linspace(-1, 1, 6), torch.ones(6, dtype=torch.bool)
+    for accum, inner, want in ((1, 1, [True, False, False]), (3, 2, [True, True, True, False, False, False])):
+        flags.clear()
+        rt = Runtime(model, RuntimeConfig(steps=10, grad_accum=accum), OptimConfig(lr=1e-4), torch.device("cpu"),
+                     "/tmp/unused")
+        update.grpo_update(policy, rt, traj, adv, mask, null, GRPOLossConfig(inner_epochs=inner), [0], 2, SCALE,
+                           NOISE, 0, 0)
+        assert flags == want, (accum, inner, flags)
 
 
 def test_merged_copy_follows_the_policy(tiny_export):
