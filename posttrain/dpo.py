@@ -300,5 +300,6 @@ def train(cfg: DPOConfig) -> Path:
     logger.write(f"grid: {grid}")
     out = ranks.export(st, final)
     logger.write(f"exported {out}")
+    logger.log_media(rt.step, grid)
     logger.close()
     return out

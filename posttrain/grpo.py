@@ -256,7 +256,9 @@ class GRPORun:
                    "time_train_s": t3 - t2, "peak_rss_mb": peak_rss_mb()}
         self.logger.log(it, metrics)
         if cfg.eval.every and it % cfg.eval.every == 0:
-            self.ranks.grid(st, rt.sampling_model().eval(), cfg.eval, seed, ro.shift, f"heldout_iter_{it:05d}.png")
+            grid = self.ranks.grid(st, rt.sampling_model().eval(), cfg.eval, seed, ro.shift,
+                                   f"heldout_iter_{it:05d}.png")
+            self.logger.log_media(it, grid)
         if it == cfg.train.steps or (cfg.checkpoint.every and it % cfg.checkpoint.every == 0):
             rt.save()
         return metrics
@@ -270,6 +272,7 @@ class GRPORun:
         self.logger.write(f"grid: {grid}")
         out = self.ranks.export(self.st, final)
         self.logger.write(f"exported {out}")
+        self.logger.log_media(self.it, grid)
         self.logger.close()
         return out
 

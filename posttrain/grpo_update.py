@@ -111,7 +111,9 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
     ``runtime.cfg.grad_accum`` mini-batches per optimizer step. Returns per-mini-batch stats.
     ``perf``: speed options (:class:`posttrain.perf.PerfConfig`; same loss and gradients). Until the first
     optimizer step the unconditional CFG branch is read from ``traj.uncond_velocities`` when the rollout
-    recorded them (the weights are still the rollout's); after it, it is recomputed.
+    recorded them (the weights are still the rollout's); the first step sets them to None on ``traj``
+    (they no longer hold; a second update over the same buffer recomputes), after which the branch is
+    recomputed.
     ``dp_group``: the data-parallel process group when this rank trains its share of the samples; the
     loss is then rescaled by dp x (local valid count) / (global valid count), so that the gradient FSDP
     averages over ranks is the mean over all ranks' valid samples even when ranks mask different
@@ -121,7 +123,8 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
     accum = runtime.cfg.grad_accum
     out, pending = [], 0.0
     # until the first optimizer step the weights are the rollout's: its unconditional velocities hold
-    reuse = traj.uncond_velocities is not None and cfg.detach_uncond and not perf.uncond_in_batch
+    reuse = (perf.reuse_rollout_uncond and traj.uncond_velocities is not None and cfg.detach_uncond
+             and not perf.uncond_in_batch)
     policy.model.train()
     for epoch in range(cfg.inner_epochs):
         perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, epoch))
@@ -145,6 +148,7 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
                 mb_stats.update(runtime.optimizer_step(pending))
                 mb_stats["loss"] = pending
                 pending, reuse = 0.0, False
+                traj.uncond_velocities = None  # stale from here on; frees the buffer
             out.append(mb_stats)
     return out
 

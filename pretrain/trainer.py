@@ -175,9 +175,10 @@ def train(cfg: PretrainConfig) -> Path:
         logger.log(rt.step, metrics)
         if cfg.eval.grid_every and (rt.step % cfg.eval.grid_every == 0 or done):
             e = cfg.eval
-            ranks.write_on_main(lambda root: write_grid(
+            grid = ranks.write_on_main(lambda root: write_grid(
                 sampling, codec, held, null, e.grid_prompts, cfg.train.seed, e.num_inference_steps, e.guidance_scale,
                 e.shift, device, root / "samples" / f"heldout_step_{rt.step:06d}.png"), run)
+            logger.log_media(rt.step, grid)
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()
     sampling = rt.sampling_model().eval()

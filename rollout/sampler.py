@@ -53,14 +53,15 @@ def sde_rollout(model, codec, embeds: PromptEmbeds, null_embeds: PromptEmbeds, p
     embeds = embeds.to(device)
     null = null_embeds.to(device)
     sig = sigmas.to(device)
-    latents, log_probs, uncond = [x], [], []
+    latents, log_probs = [x], []
     record = record_uncond and guidance_scale != 1.0
+    uncond = torch.empty((x.shape[0], num_steps, *x.shape[1:]), device=device) if record else None
     for t in range(num_steps):
         s = sig[t].expand(x.shape[0])
-        if record:
+        if record:  # copied out: a view would keep the whole 2B output of every step alive
             v_cond, v_uncond = guided_branches(model, x, s, embeds, null)
             v = cfg_combine(v_cond, v_uncond, guidance_scale)
-            uncond.append(v_uncond.float())
+            uncond[:, t] = v_uncond
         else:
             v = guided_velocity(model, x, s, embeds, null, guidance_scale)
         out = sde_step(x, v, sig[t], sig[t + 1], noise_level, sig[1], noise=z[:, t])
@@ -70,4 +71,4 @@ def sde_rollout(model, codec, embeds: PromptEmbeds, null_embeds: PromptEmbeds, p
     images = codec.decode(x)
     return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.cpu().clone(), embeds,
                       images, list(prompts), group_ids.clone(), torch.as_tensor(sample_ids),
-                      torch.stack(uncond, 1) if record else None)
+                      uncond)

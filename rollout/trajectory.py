@@ -16,8 +16,8 @@ class Trajectory:
     (reused, never rebuilt); ``embeds``: prompt embeddings ``[B, ...]``; ``images``: float32
     ``[B, 3, H, W]`` in [0, 1]; ``prompts``: B strings; ``group_ids``: long ``[B]`` (prompt group);
     ``sample_ids``: long ``[B]`` global sample indices (the seeding key); ``uncond_velocities``: float32
-    ``[B, T, C, h, w]``, the unconditional CFG branch's velocity at latents[:, t], when the rollout
-    recorded it (``record_uncond``), else None."""
+    ``[B, T, *latent]`` (``[B, T, C, h, w]``, video ``[B, T, C, F, h, w]``), the unconditional CFG
+    branch's velocity at latents[:, t], when the rollout recorded it (``record_uncond``), else None."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor

@@ -26,7 +26,7 @@ class MetricsLogger:
                  config: dict | None = None, show_keys: tuple[str, ...] = ("loss",), enabled: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled, self.show_keys = enabled, show_keys
-        self._wandb = None
+        self._wandb, self._last_media = None, None
         if not enabled:
             return
         keep = []
@@ -60,6 +60,26 @@ class MetricsLogger:
         shown = {k: f"{metrics[k]:.4g}" for k in self.show_keys if isinstance(metrics.get(k), (int, float))}
         if shown:
             self.bar.set_postfix(shown, refresh=False)
+
+    def log_media(self, step: int, grid: str | Path) -> None:
+        """Mirror a sample grid to wandb at ``step`` (``samples/grid``, an image) and, when an MP4 of the
+        clips lies beside it (video grids, :func:`pretrain.sampling.save_grid`), the clips too
+        (``samples/video``). Nothing without wandb, nor for the grid logged last; the files stay in the run
+        directory either way, so a failure here is reported and does not stop the run."""
+        if not self.enabled or self._wandb is None or self._last_media == (step, str(grid)):
+            return
+        import wandb as wandb_lib
+
+        grid = Path(grid)
+        try:
+            media = {"samples/grid": wandb_lib.Image(str(grid), caption=grid.name)}
+            if grid.with_suffix(".mp4").exists():
+                media["samples/video"] = wandb_lib.Video(str(grid.with_suffix(".mp4")), caption=grid.stem,
+                                                         format="mp4")
+            self._wandb.log(media, step=step)
+            self._last_media = (step, str(grid))
+        except Exception as err:  # noqa: BLE001 - media mirroring must never cost a run its export
+            self.write(f"wandb: could not log {grid}: {type(err).__name__}: {err}")
 
     def write(self, text: str) -> None:
         if self.enabled:

@@ -4,6 +4,7 @@ the profiler writes a Chrome trace."""
 
 import json
 import random
+from dataclasses import replace
 import threading
 import time
 
@@ -59,7 +60,8 @@ def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
 
 def test_rollout_uncond_velocities_give_the_plain_steps_loss_and_gradients(tiny_export):
     model, codec, train, null, policy, meta = _setup(tiny_export)  # LoRA B != 0: the KL term is live
-    traj = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=4, record_uncond=True)
+    rolled = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=3, record_uncond=True)
+    traj = rolled.select(torch.tensor([2, 0, 3, 1]))  # rollout batches of 3 + 1, concatenated, then shuffled
     plain_loss, plain = _loss_and_grads(policy, traj, null, None, True, 1)  # flow_grpo's layout
     scale = max(g.abs().max() for g in plain.values())
     assert traj.uncond_velocities.shape == (4, STEPS, *traj.latents.shape[2:]) and scale > 0
@@ -90,9 +92,39 @@ def test_rollout_uncond_is_reused_only_before_the_first_optimizer_step(tiny_expo
         flags.clear()
         rt = Runtime(model, RuntimeConfig(steps=10, grad_accum=accum), OptimConfig(lr=1e-4), torch.device("cpu"),
                      "/tmp/unused")
-        update.grpo_update(policy, rt, traj, adv, mask, null, GRPOLossConfig(inner_epochs=inner), [0], 2, SCALE,
+        buffer = replace(traj)
+        update.grpo_update(policy, rt, buffer, adv, mask, null, GRPOLossConfig(inner_epochs=inner), [0], 2, SCALE,
                            NOISE, 0, 0)
         assert flags == want, (accum, inner, flags)
+        assert buffer.uncond_velocities is None  # stale after the step: a second pass over it recomputes
+        flags.clear()
+        update.grpo_update(policy, rt, buffer, adv, mask, null, GRPOLossConfig(), [0], 2, SCALE, NOISE, 0, 1)
+        assert flags == [False] * 3
+
+
+def test_grpo_iteration_records_and_reuses_the_rollout_uncond(tiny_export, tmp_path, monkeypatch):
+    import posttrain.grpo as grpo
+
+    recorded, real = [], grpo.collect_rollouts
+
+    def spy(*args, **kwargs):
+        traj = real(*args, **kwargs)
+        recorded.append(traj.uncond_velocities is not None)
+        return traj
+
+    monkeypatch.setattr(grpo, "collect_rollouts", spy)
+    first = {}
+    for reuse in (True, False):  # one iteration: 2 mini-batches, the first before the optimizer step
+        run = tmp_path / str(reuse)
+        grpo_train(grpo_config(run, tiny_export, "train.steps=1", "data.limit=8", "rollout.prompts_per_step=2",
+                               "rollout.group_size=2", "rollout.batch_size=4", "train.batch_size=2",
+                               "eval.grid_prompts=2", f"perf.reuse_rollout_uncond={str(reuse).lower()}"))
+        first[reuse] = read_metrics(run / "grpo/metrics.jsonl")[0]
+    assert recorded == [True, False]
+    for key in ("grad_norm", "ratio_mean", "ratio_min", "ratio_max"):
+        assert abs(first[True][key] - first[False][key]) <= 1e-5 * abs(first[False][key]), key
+    # the first ratios are 1, so the PPO term is about mean(advantage) = 0: compare it against the advantages' O(1)
+    assert abs(first[True]["loss"] - first[False]["loss"]) <= 1e-6 and first[False]["grad_norm"] > 0
 
 
 def test_merged_copy_follows_the_policy(tiny_export):

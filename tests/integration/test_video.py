@@ -56,7 +56,8 @@ def test_video_grpo_runs_with_video_rewards(video_export, tmp_path):
 
     cfg = grpo_config(tmp_path, video_export, "data.source=moving_emoji", "data.frames=4", "data.limit=32",
                       "rewards.jpeg_compressibility=0", "rewards.motion_direction=1.0",
-                      "rewards.temporal_consistency=0.1", "train.steps=2", "train.batch_size=16")
+                      "rewards.temporal_consistency=0.1", "train.steps=2", "train.batch_size=16",
+                      "wandb.mode=offline", "eval.every=1")
     out = grpo_train(cfg)
     recs = read_metrics(tmp_path / "grpo/metrics.jsonl")
     assert len(recs) == 2 and all(0.0 <= r["reward/motion_direction_mean"] <= 1.0 for r in recs)
@@ -67,6 +68,11 @@ def test_video_grpo_runs_with_video_rewards(video_export, tmp_path):
     for suffix in (".gif", ".mp4"):  # the clips animated beside the PNG grid
         frames = imageio.mimread(grid.with_suffix(suffix))
         assert len(frames) == 4 and frames[0].shape[2] == 3
+    runs = list((tmp_path / "grpo/wandb").glob("offline-run-*"))  # the grid and its clips mirrored to wandb
+    assert len(runs) == 1
+    media = runs[0] / "files/media"  # wandb names them <key>_<step>_<id>: both iterations' grids, logged once each
+    assert sorted(p.name.split("_")[1] for p in media.glob("videos/samples/video_*.mp4")) == ["1", "2"]
+    assert sorted(p.name.split("_")[1] for p in media.glob("images/samples/grid_*.png")) == ["1", "2"]
     model, _, codec, meta = load_exported(out)
     assert meta["arch"] == "wan" and codec.latent_shape(16, 16) == (13, 4, 8, 8)
 
