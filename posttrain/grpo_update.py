@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.losses import kl_to_reference, ppo_clip_loss
-from posttrain.perf import PerfConfig
+from posttrain.perf import PerfConfig, records_uncond
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 from pretrain.guidance import guided_velocity
@@ -123,8 +123,7 @@ def grpo_update(policy, runtime, traj: Trajectory, advantages: torch.Tensor, mas
     accum = runtime.cfg.grad_accum
     out, pending = [], 0.0
     # until the first optimizer step the weights are the rollout's: its unconditional velocities hold
-    reuse = (perf.reuse_rollout_uncond and traj.uncond_velocities is not None and cfg.detach_uncond
-             and not perf.uncond_in_batch)
+    reuse = traj.uncond_velocities is not None and records_uncond(perf, cfg.detach_uncond, guidance_scale)
     policy.model.train()
     for epoch in range(cfg.inner_epochs):
         perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, epoch))

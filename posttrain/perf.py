@@ -47,7 +47,7 @@ class PerfConfig:
 
 
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:
-    """Whether the rollout should keep its unconditional velocities for the update to reuse."""
+    """Whether the rollout keeps its unconditional velocities and the update reuses them."""
     return perf.reuse_rollout_uncond and detach_uncond and not perf.uncond_in_batch and guidance_scale != 1.0
 
 
