@@ -6,10 +6,10 @@ Per variant (speed options toggled one at a time, each keeping the algorithm's s
 seconds per phase (rollout, decode, reward wait, training), useful FLOPs per iteration counted with
 ``torch.utils.flop_counter`` (CPU attention included, see :mod:`benchmarks.kernel_rates`) and that over
 the machine's fp32 matmul rate measured in this run at the model's GEMM shapes (a CPU "MFU"), the
-iteration's floor at the kernel rates measured in this run, peak RSS. flow_grpo's own scripts/train_sd3.py did 0.53 samples/s at
-these settings on a machine whose fp32 2048^3 matmul ran at 54 GFLOP/s (2 threads); the last table
-scales that to this machine's measured 2048^3 rate. Algorithm changes that trade quality for speed are
-listed apart and are not part of that comparison.
+iteration's floor at the kernel rates measured in this run, peak RSS. flow_grpo's own
+scripts/train_sd3.py did 0.53 samples/s at these settings on a machine whose fp32 2048^3 matmul ran at
+54 GFLOP/s (2 threads); the table scales that to this machine's measured 2048^3 rate. Algorithm changes
+that trade quality for speed are listed apart and are not part of that comparison.
 """
 
 from __future__ import annotations
