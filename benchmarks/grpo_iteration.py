@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_assets import build_assets  # noqa: E402
-from benchmarks.kernel_rates import (ATTENTION_OPS, CPU_ATTENTION_FORMULAS, attention_gflops,  # noqa: E402
+from benchmarks.kernel_rates import (CPU_ATTENTION_FORMULAS, attention_gflops, is_attention,  # noqa: E402
                                      kernel_floor_seconds, matmul_gflops, model_shape_gflops)
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
@@ -122,7 +122,7 @@ def main() -> None:
     for r in results:
         r["total"], r["floor_s"] = sum(r["flops"].values()), kernel_floor_seconds(r["flops"], shape_rate, attn_rates,
                                                                                  ref_rate)
-        r["attention"] = sum(n for op, n in r["flops"].items() if op.removesuffix("_backward") in ATTENTION_OPS)
+        r["attention"] = sum(n for op, n in r["flops"].items() if is_attention(op))
     lean = min((r for r in results if r["name"] in VARIANTS), key=lambda r: r["total"])
     first = results[0]["samples_per_s"]
     flow_grpo_here = FLOW_GRPO_SAMPLES_PER_S * ref_rate / FLOW_GRPO_MATMUL_GFLOPS
@@ -145,6 +145,7 @@ def main() -> None:
           f"The leanest variant's counted work at this machine's kernel rates needs {lean['floor_s']:.2f} s: at most "
           f"{lean['samples'] / lean['floor_s']:.3f} samples/s before any elementwise op or overhead. Peak RSS is "
           f"the process's so far.")
+
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,11 @@ ATTENTION_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_pro
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
+def is_attention(op: str) -> bool:
+    """Whether ``op`` (``aten.X`` without the prefix) is an attention kernel, forward or backward."""
+    return op.removesuffix("_backward") in ATTENTION_OPS
+
+
 def timed_rate(fn: Callable[[], object], flops: float, device: torch.device, seconds: float = 1.0) -> float:
     """GFLOP/s of ``fn`` doing ``flops`` (median of timed repeats for about ``seconds``, after 3 warm-ups)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -92,10 +97,8 @@ def kernel_floor_seconds(counts: dict[str, int], gemm_rate: float, attention_rat
     for op, flops in counts.items():
         if op in GEMM_OPS:
             rate = gemm_rate
-        elif op in ATTENTION_OPS:
-            rate = attention_rates[0]
-        elif op.removesuffix("_backward") in ATTENTION_OPS:
-            rate = attention_rates[1]
+        elif is_attention(op):
+            rate = attention_rates[op.endswith("_backward")]
         else:
             rate = other_rate
         total += flops / (rate * 1e9)

@@ -56,11 +56,14 @@ def transition_log_prob(model, traj: Trajectory, t: int | list[int], null: Promp
     dev = traj.latents.device
     sig, idx, b = traj.sigmas.to(dev), torch.as_tensor(ts, device=dev), len(traj)
     rows = (len(ts) * b, *traj.latents.shape[2:])
-    x = traj.latents[:, idx].transpose(0, 1).reshape(rows)
-    prev = traj.latents[:, idx + 1].transpose(0, 1).reshape(rows)
+
+    def transition_major(buf: torch.Tensor, i: torch.Tensor) -> torch.Tensor:  # [B, T, ...] -> [k * B, ...]
+        return buf[:, i].transpose(0, 1).reshape(rows)
+
+    x, prev = transition_major(traj.latents, idx), transition_major(traj.latents, idx + 1)
     sigma, sigma_next = sig[idx].repeat_interleave(b), sig[idx + 1].repeat_interleave(b)
     embeds = traj.embeds if len(ts) == 1 else PromptEmbeds.cat([traj.embeds] * len(ts))
-    v_uncond = traj.uncond_velocities[:, idx].transpose(0, 1).reshape(rows) if rollout_uncond else None
+    v_uncond = transition_major(traj.uncond_velocities, idx) if rollout_uncond else None
     v = guided_velocity(model, x, sigma, embeds, null, guidance_scale, detach_uncond, uncond_model, uncond_in_batch,
                         v_uncond)
     return sde_step(x, v, sigma, sigma_next, noise_level, sig[1], prev_sample=prev)
