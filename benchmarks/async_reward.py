@@ -18,6 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
+
+from posttrain.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from rewards.jpeg import jpeg_size_kb  # noqa: E402
 
@@ -46,7 +48,7 @@ def main() -> None:
     rows = {0: [], 1: []}
     for _ in range(a.iterations):
         for workers, run in runs.items():
-            rows[workers].append(run.iteration())
+            rows[workers].append(step_once(run))
     med = {}
     for workers, run in runs.items():
         run.scorer.close()

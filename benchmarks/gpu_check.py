@@ -119,14 +119,14 @@ def main() -> None:
 
 def grpo_checks(export: Path, base: list[str], work: Path, device: str, iterations: int) -> dict:
     from posttrain.grpo import GRPOConfig, train as grpo_train
-    from posttrain.grpo_update import transition_log_prob
     from posttrain.policy import Policy, PolicyConfig
     from pretrain.config import load_config
     from pretrain.data.dataset import DataConfig, build_datasets
     from pretrain.export import load_exported
     from pretrain.runtime.metrics import read_metrics
     from pretrain.schedule import sigma_schedule
-    from rollout.collect import collect_rollouts
+    from rollout.config import RolloutConfig
+    from rollout.sampler import Sampler, log_prob
 
     dev = torch.device(device)
     model, encoder, codec, meta = load_exported(export, device=device)
@@ -146,8 +146,10 @@ def grpo_checks(export: Path, base: list[str], work: Path, device: str, iteratio
                 p.normal_(0, 0.05)
     model.eval()
     steps, scale, noise = 10, 4.5, 0.7
-    traj = collect_rollouts(model, codec, train_set, list(range(8)), 4, 16, null, sigma_schedule(steps, 3.0), noise,
-                            scale, (3, 32, 32), 0, 0, dev)
+    sampler = Sampler(RolloutConfig(noise_level=noise, guidance_scale=scale, group_size=4, batch_size=16),
+                      sigma_schedule(steps, 3.0), null)
+    traj = sampler.rollout(model, codec, train_set, list(range(8)), latent_shape=(3, 32, 32), seed=0, iteration=0,
+                           device=dev)
     model.train()
     out = {}
     for name, ctx in (("fp32", torch.autocast(dev.type, enabled=False)),
@@ -157,7 +159,7 @@ def grpo_checks(export: Path, base: list[str], work: Path, device: str, iteratio
             for start in (0, 12, 24):
                 mb = traj.select(torch.arange(start, start + 8 if start < 24 else 32))
                 for t in range(steps):
-                    new = transition_log_prob(model, mb, t, null, scale, noise).log_prob
+                    new = log_prob(model, mb, t).log_prob
                     assert torch.isfinite(new).all()
                     worst = max(worst, float((new - mb.log_probs[:, t]).abs().max()))
         out[f"grpo_logprob_max_abs_diff_{name}"] = worst

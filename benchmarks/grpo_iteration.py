@@ -30,6 +30,7 @@ from benchmarks.bench_assets import build_assets  # noqa: E402
 from benchmarks.kernel_rates import (CPU_ATTENTION_FORMULAS, attention_gflops, is_attention,  # noqa: E402
                                      kernel_floor_seconds, matmul_gflops, model_shape_gflops)
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
+from posttrain.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.runtime.profiling import peak_rss_mb  # noqa: E402
 
@@ -54,7 +55,7 @@ def count_flops(run: GRPORun) -> dict[str, int]:
     """FLOPs of one iteration (forward, backward, decode) per op (``aten.X`` -> ``X``), counted on a separate,
     untimed iteration, CPU attention included (:data:`benchmarks.kernel_rates.CPU_ATTENTION_FORMULAS`)."""
     with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FORMULAS) as counter:
-        run.iteration()
+        step_once(run)
     return {str(op).removeprefix("aten."): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
 
 
@@ -67,10 +68,10 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
                                            f"train.steps={warmup + iterations + 1}", "checkpoint.every=0"])
     run = GRPORun(cfg)
     for _ in range(warmup):
-        run.iteration()
+        step_once(run)
     rows = []
     for i in range(iterations):
-        rows.append(run.iteration())
+        rows.append(step_once(run))
         print(f"    {name} iteration {i + 1}: {rows[-1]['samples_per_s']:.3f} samples/s", flush=True)
     counted = count_flops(run) if flops else None
     run.scorer.close()

@@ -20,7 +20,8 @@ from pretrain.models import ModelConfig, SD3Adapter, build_transformer
 from pretrain.sampling import initial_noise, sample_latents
 from pretrain.schedule import sigma_schedule
 from pretrain.text_encoder import PromptEmbeds
-from rollout.sampler import sde_rollout
+from rollout.config import RolloutConfig
+from rollout.sampler import Sampler
 
 
 def main() -> None:
@@ -42,15 +43,16 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     embeds = PromptEmbeds(torch.randn(a.batch, 24, 384, generator=g), torch.randn(a.batch, 384, generator=g))
     null = PromptEmbeds(torch.randn(1, 24, 384, generator=g), torch.randn(1, 384, generator=g))
-    sigmas = sigma_schedule(a.steps)
+    sampler = Sampler(RolloutConfig(noise_level=0.7, guidance_scale=a.guidance_scale), sigma_schedule(a.steps), null)
 
     def euler(it: int):
         noise = initial_noise(a.batch, (3, a.size, a.size), 0, step=it, device=dev)
         return codec.decode(sample_latents(model, embeds.to(dev), null.to(dev), noise, a.steps, a.guidance_scale))
 
     def sde(it: int):
-        return sde_rollout(model, codec, embeds, null, [""] * a.batch, torch.zeros(a.batch, dtype=torch.long),
-                           list(range(a.batch)), sigmas, 0.7, a.guidance_scale, (3, a.size, a.size), 0, it, dev)
+        return sampler.sample(model, codec, embeds, [""] * a.batch, group_ids=torch.zeros(a.batch, dtype=torch.long),
+                              sample_ids=list(range(a.batch)), latent_shape=(3, a.size, a.size), seed=0, iteration=it,
+                              device=dev)
 
     def timed(fn) -> list[float]:
         fn(0)  # warm-up

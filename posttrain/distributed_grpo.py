@@ -12,7 +12,7 @@ rollout, the update, the grids and the export gather, while only rank 0 logs and
 
 Loss normalisation. FSDP2 averages gradients over the ``dp`` ranks, (1/dp) * sum_r S_r / c_r for
 per-rank sums S_r over c_r valid samples, while one process would take sum_r S_r / sum_r c_r:
-:func:`posttrain.grpo_update.grpo_update` rescales each rank's loss by dp * c_r / sum_r c_r (given
+:class:`posttrain.grpo_update.GRPOUpdate` rescales each rank's loss by dp * c_r / sum_r c_r (given
 the dp group), so both agree whatever NaN rewards or dropped groups leave on each rank.
 """
 
@@ -54,7 +54,8 @@ class RankLayout(StageRanks):
     # -- one iteration ---------------------------------------------------------------------------
     def prompt_share(self, prompt_idx: list[int], group_size: int) -> tuple[list[int], int]:
         """This rank's contiguous share of ``prompt_idx`` (the same list on every rank) and the global
-        index of its first sample (``sample_offset`` of ``collect_rollouts``); sets ``start``/``stop``."""
+        index of its first sample (``sample_offset`` of :meth:`rollout.sampler.Sampler.rollout`); sets
+        ``start``/``stop``."""
         self.start, self.stop = self.share(len(prompt_idx))
         return prompt_idx[self.start:self.stop], self.start * group_size
 

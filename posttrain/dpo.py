@@ -14,7 +14,7 @@ every rank holds the whole pair set, no gather), then sliced like offline pairs;
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +25,17 @@ from pretrain.config import require_positive
 from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
 from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
-from posttrain.policy import Policy, PolicyConfig
+from posttrain.loop import run_stage
+from posttrain.perf import PerfConfig, compile_blocks
+from posttrain.policy import Policy
 from posttrain.stage import PolicyStage, StageRanks
-from pretrain.data.dataset import DataConfig, EpochSampler
-from pretrain.models import ModelConfig, count_parameters
+from posttrain.stage_config import StageConfig
+from pretrain.data.dataset import EpochSampler
+from pretrain.models import count_parameters
 from pretrain.guidance import drop_condition
 from pretrain.objective import FlowConfig, draw_training_noise
-from pretrain.parallel.config import ParallelConfig
-from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
 from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.profiling import StepProfiler
 from pretrain.runtime.runtime import Runtime
 from pretrain.text_encoder import PromptEmbeds
 from rewards.base import CompositeReward, check_reward_weights
@@ -105,38 +107,26 @@ class OnlineConfig:
 
 
 @dataclass
-class DPOEvalConfig:
-    every: int = 0
-    grid_prompts: int = 16
-    num_inference_steps: int = 20
-    guidance_scale: float = 4.0
-
-
-@dataclass
-class DPOConfig:
-    """`posttrain dpo` config. ``train.steps``: optimizer steps; ``train.batch_size``: pairs per
-    micro-batch, global (split over the data-parallel ranks under ``torchrun``; ``parallel``: degrees
-    and FSDP2 options). Outputs go to ``<run_dir>/dpo/``."""
+class DPOConfig(StageConfig):
+    """`posttrain dpo` config (the shared blocks: :class:`posttrain.stage_config.StageConfig`). A step
+    is one optimizer step: ``train.steps``, ``checkpoint.every``, ``eval.every`` (held-out implicit
+    accuracy of offline pairs), the metrics ``step`` and the checkpoint folders count them.
+    ``train.batch_size``: pairs per micro-batch, global (split over the data-parallel ranks under
+    ``torchrun``). ``perf``: only ``compile`` applies. Outputs go to ``<run_dir>/dpo/``."""
 
     run_dir: str = "runs/dpo"
     source: str = "online"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
     offline: OfflineConfig = field(default_factory=OfflineConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     rewards: dict[str, Any] = field(default_factory=dict)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: RuntimeConfig = field(default_factory=RuntimeConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: DPOEvalConfig = field(default_factory=DPOEvalConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self, prefix: str = "") -> None:
-        if not self.model.pretrained:
-            raise ValueError("model.pretrained: required (an export folder written by `posttrain pretrain`)")
+        super().validate(prefix)
+        default = PerfConfig()
+        for f in fields(PerfConfig):
+            if f.name != "compile" and getattr(self.perf, f.name) != getattr(default, f.name):
+                raise ValueError(f"perf.{f.name}: not used by dpo (only perf.compile applies); remove it")
         if self.source not in ("online", "offline"):
             raise ValueError(f"source: '{self.source}' is not one of online, offline")
         if self.source == "offline" and not self.offline.path:
@@ -235,71 +225,104 @@ def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet 
     return pairs.select(train), (pairs.select(held_idx) if held_idx else None)
 
 
+class DPORun:
+    """One Diffusion-DPO run, set up from ``cfg`` (export, policy, pairs or rewards, runtime, resume): a
+    stage of :mod:`posttrain.loop`; :meth:`train_step` is one optimizer step (re-sampling online pairs
+    at round boundaries)."""
+
+    def __init__(self, cfg: DPOConfig):
+        self.cfg = cfg
+        self.ranks = ranks = StageRanks.start_job(cfg.parallel)  # a no-op in one process
+        ranks.refuse_ema(cfg.train.ema_decay)
+        ranks.require_divisible("train.batch_size", cfg.train.batch_size,
+                                "pairs per global micro-batch; each rank trains its contiguous share")
+        self.st = st = PolicyStage.setup(cfg, "dpo")
+        n_trainable = count_parameters(st.model, trainable_only=True)
+        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile)
+        if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
+            compile_blocks(st.model)
+        self.seed = cfg.train.seed
+        self.prompts = EpochSampler(len(st.train_set), self.seed)
+        stateful = {"prompts": self.prompts}
+        self.pairs = self.held_pairs = None
+        if cfg.source == "offline":
+            self.pairs, self.held_pairs = offline_pairs(cfg, st.encoder, st.meta["image_size"])
+            self.pair_sampler = EpochSampler(len(self.pairs), self.seed)
+            stateful["pairs"] = self.pair_sampler
+        self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
+        self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
+                               cfg.checkpoint.keep_last, stateful, shape={"policy.lora_rank": cfg.policy.lora_rank})
+        resumed = rt.start(cfg.checkpoint.resume)
+        self.profiler = StepProfiler(cfg.profile, st.run / "profile")
+        self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),
+                                    enabled=ranks.is_main)
+        self.logger.write(f"policy: {n_trainable / 1e3:.1f} k trainable; source {cfg.source}; "
+                          f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
+                          f"{cfg.train.grad_accum} per step; ranks: {ranks.layout()}"
+                          + (f"; resumed from {resumed}" if resumed else ""))
+        if rt.step == 0 and cfg.source == "offline":
+            self.logger.log(rt.step, self.heldout_acc(), advance=False)
+
+    @property
+    def step(self) -> int:
+        return self.rt.step
+
+    def heldout_acc(self) -> dict:
+        if self.held_pairs is None:
+            return {}
+        st = self.st
+        return {"heldout_implicit_acc": implicit_accuracy(st.policy, st.codec, self.held_pairs, self.cfg.dpo, st.null,
+                                                          self.seed, st.device)}
+
+    def resample(self, step: int) -> dict:
+        """A new round of online pairs from the current policy (every ``online.resample_every`` steps)."""
+        cfg, st, on = self.cfg, self.st, self.cfg.online
+        st.model.eval()
+        with self.rt.autocast():
+            fresh, metrics = online_pairs(st.model, st.codec, st.train_set, self.prompts.next(on.prompts_per_round),
+                                          on.samples_per_prompt, self.rewards, st.null, on.num_inference_steps,
+                                          on.guidance_scale, st.meta["sampling"]["shift"], on.margin, self.seed,
+                                          step // on.resample_every, st.device)
+        if fresh is not None:
+            self.pairs = fresh
+            self.pair_sampler = EpochSampler(len(fresh), self.seed + step)
+        elif self.pairs is None:
+            raise ValueError(f"step {step}: no prompt had a reward gap above online.margin={on.margin}")
+        else:
+            self.logger.write(f"step {step}: no reward gap above online.margin={on.margin} in this round "
+                              f"(all samples scored alike); keeping the previous round's pairs")
+        return metrics
+
+    def train_step(self) -> dict:
+        cfg, st, step, metrics = self.cfg, self.st, self.rt.step, {}
+        if cfg.source == "online" and (self.pairs is None or step % cfg.online.resample_every == 0):
+            metrics = self.resample(step)
+        metrics.update(dpo_step(st.policy, self.rt, st.codec, self.pairs, self.pair_sampler, cfg, st.null, step,
+                                st.device, self.ranks))
+        return metrics
+
+    def evaluate(self, step: int, last: bool) -> dict:
+        """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps."""
+        if self.cfg.source == "offline" and (last or (self.cfg.eval.every and step % self.cfg.eval.every == 0)):
+            return self.heldout_acc()
+        return {}
+
+    def save(self) -> Path:
+        return self.rt.save()
+
+    def finish(self) -> Path:
+        st = self.st
+        final = self.rt.sampling_model().eval()
+        grid = self.ranks.grid(st, final, self.cfg.eval, self.seed, st.meta["sampling"]["shift"],
+                               f"heldout_step_{self.rt.step:06d}.png")
+        self.logger.write(f"grid: {grid}")
+        out = self.ranks.export(st, final)
+        self.logger.write(f"exported {out}")
+        self.logger.log_media(self.rt.step, grid)
+        self.logger.close()
+        return out
+
+
 def train(cfg: DPOConfig) -> Path:
     """Run Diffusion-DPO; returns the merged export folder (``<run>/dpo/export``; adapter in ``lora/``)."""
-    on = cfg.online
-    ranks = StageRanks.start_job(cfg.parallel)  # a no-op in one process
-    ranks.refuse_ema(cfg.train.ema_decay)
-    ranks.require_divisible("train.batch_size", cfg.train.batch_size,
-                            "pairs per global micro-batch; each rank trains its contiguous share")
-    st = PolicyStage.setup(cfg, "dpo")
-    n_trainable = count_parameters(st.model, trainable_only=True)
-    ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel)
-    model, encoder, codec, meta, device, seed = st.model, st.encoder, st.codec, st.meta, st.device, cfg.train.seed
-    train_set, null, policy, run = st.train_set, st.null, st.policy, st.run
-    prompts = EpochSampler(len(train_set), seed)
-    stateful = {"prompts": prompts}
-    if cfg.source == "offline":
-        pairs, held_pairs = offline_pairs(cfg, encoder, meta["image_size"])
-        pair_sampler = EpochSampler(len(pairs), seed)
-        stateful["pairs"] = pair_sampler
-    rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
-    rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last, stateful)
-    resumed = rt.start(cfg.checkpoint.resume)
-    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),
-                           enabled=ranks.is_main)
-    logger.write(f"policy: {n_trainable / 1e3:.1f} k trainable; source {cfg.source}; "
-                 f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
-                 f"{cfg.train.grad_accum} per step; ranks: {ranks.layout()}" + (f"; resumed from {resumed}" if resumed else ""))
-
-    def heldout_acc() -> dict:
-        if cfg.source != "offline" or held_pairs is None:
-            return {}
-        return {"heldout_implicit_acc": implicit_accuracy(policy, codec, held_pairs, cfg.dpo, null, seed, device)}
-
-    if rt.step == 0 and cfg.source == "offline":
-        logger.log(rt.step, heldout_acc(), advance=False)
-    if cfg.source == "online":
-        pairs = None
-    while rt.step < cfg.train.steps:
-        step, metrics = rt.step, {}
-        if cfg.source == "online" and (pairs is None or step % on.resample_every == 0):
-            model.eval()
-            with rt.autocast():
-                fresh, metrics = online_pairs(model, codec, train_set, prompts.next(on.prompts_per_round),
-                                              on.samples_per_prompt, rewards, null, on.num_inference_steps,
-                                              on.guidance_scale, meta["sampling"]["shift"], on.margin, seed,
-                                              step // on.resample_every, device)
-            if fresh is not None:
-                pairs = fresh
-                pair_sampler = EpochSampler(len(pairs), seed + step)
-            elif pairs is None:
-                raise ValueError(f"step {step}: no prompt had a reward gap above online.margin={on.margin}")
-            else:
-                logger.write(f"step {step}: no reward gap above online.margin={on.margin} in this round "
-                             f"(all samples scored alike); keeping the previous round's pairs")
-        metrics.update(dpo_step(policy, rt, codec, pairs, pair_sampler, cfg, null, step, device, ranks))
-        done = rt.step == cfg.train.steps
-        if cfg.source == "offline" and (done or (cfg.eval.every and rt.step % cfg.eval.every == 0)):
-            metrics.update(heldout_acc())
-        logger.log(rt.step, metrics)
-        if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
-            rt.save()
-    final = rt.sampling_model().eval()
-    grid = ranks.grid(st, final, cfg.eval, seed, meta["sampling"]["shift"], f"heldout_step_{rt.step:06d}.png")
-    logger.write(f"grid: {grid}")
-    out = ranks.export(st, final)
-    logger.write(f"exported {out}")
-    logger.log_media(rt.step, grid)
-    logger.close()
-    return out
+    return run_stage(DPORun(cfg))

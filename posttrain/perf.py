@@ -14,9 +14,10 @@ from pretrain.backbone import denoiser_blocks
 class PerfConfig:
     """``merge_lora``: no-grad forwards (the rollout, the detached unconditional CFG branch in training)
     run on a copy of the policy with LoRA merged into its weights, W + scale * B A, refreshed after every
-    optimizer step: no adapter matmuls where no gradient is needed (fp32 runs only: under bf16/fp16
-    autocast the merged weights round differently from base + adapter and the first ratio would
-    drift from 1, so it is ignored there). ``uncond_in_batch``: run the detached
+    optimizer step: no adapter matmuls where no gradient is needed. None (default) = on where it holds:
+    a LoRA policy, fp32, one process. ``true`` is refused under bf16/fp16 autocast (the merged weights
+    round differently from base + adapter and the first ratio would drift from 1) and under
+    ``torchrun`` (the copy would deep-copy sharded weights). ``uncond_in_batch``: run the detached
     unconditional branch inside the conditional forward as one 2B batch with a graph (flow_grpo's layout:
     the same gradient, a backward over both halves; off by default, kept as the baseline).
     ``transitions_per_forward``: trained transitions of a mini-batch computed in one forward/backward
@@ -31,7 +32,7 @@ class PerfConfig:
     optimizer step per iteration (``grad_accum`` covering the buffer) no unconditional forward is
     left in training. Only with a detached unconditional branch and not ``uncond_in_batch``."""
 
-    merge_lora: bool = True
+    merge_lora: bool | None = None
     uncond_in_batch: bool = False
     transitions_per_forward: int = 1
     compile: bool = False
@@ -44,6 +45,22 @@ class PerfConfig:
                              f"{self.transitions_per_forward}")
         if self.reward_workers < 0:
             raise ValueError(f"{prefix}reward_workers: must be >= 0, got {self.reward_workers}")
+
+
+def resolve_perf(perf: PerfConfig, precision: str, distributed: bool) -> PerfConfig:
+    """``perf`` with ``merge_lora`` None resolved (on for fp32 in one process). Raises ``ConfigError``
+    naming ``perf.merge_lora`` when it is set true where it cannot hold (bf16/fp16, several ranks):
+    a setting the code cannot honour is refused, never rewritten."""
+    from dataclasses import replace
+
+    from pretrain.config import ConfigError
+
+    blocker = (f"train.precision={precision}: merged weights round differently from base + adapter, the first "
+               f"ratio would drift from 1" if precision != "fp32" else
+               "several ranks: the merged copy would deep-copy FSDP2-sharded weights" if distributed else None)
+    if perf.merge_lora and blocker:
+        raise ConfigError(f"perf.merge_lora=true cannot be honoured with {blocker}; set perf.merge_lora=false")
+    return replace(perf, merge_lora=blocker is None if perf.merge_lora is None else perf.merge_lora)
 
 
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:

@@ -67,6 +67,20 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
     return obj
 
 
+def load_section(schema: type[T], values: dict, key: str) -> T:
+    """A ``schema`` instance from the mapping ``values`` (one block of a config, e.g. a registered
+    part's options), validated; ``ValueError`` naming ``key.<field>`` for an unknown field or a wrong
+    type (the caller's config loading turns it into a ``ConfigError`` naming the file)."""
+    try:
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(values)))
+    except OmegaConfBaseException as e:
+        field_name = getattr(e, "full_key", None) or getattr(e, "key", None)
+        msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
+        raise ValueError(f"{key}.{field_name}: {msg}" if field_name else f"{key}: {msg}") from e
+    validate(obj, f"{key}.")
+    return obj
+
+
 def validate(obj, prefix: str = "") -> None:
     """Call ``validate(prefix)`` on every nested config dataclass (children first). A component's
     ``validate`` raises ``ValueError`` whose message starts with the dotted key it rejects."""

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class EvalConfig:
+class PretrainEvalConfig:
     """Held-out loss every ``every`` steps on ``heldout_samples`` fixed (noise, sigma) draws; a grid of
     ``grid_prompts`` held-out prompts every ``grid_every`` steps (and at the end) sampled with
     ``num_inference_steps`` Euler steps, ``guidance_scale`` and ``shift``."""
@@ -57,7 +57,7 @@ class PretrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: PretrainEvalConfig = field(default_factory=PretrainEvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

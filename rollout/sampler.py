@@ -1,74 +1,157 @@
-"""SDE rollout with log-probs (Flow-GRPO) under rank-free seeding."""
+"""The rollout sampler: draws trajectories with log-probs and recomputes them later from what the
+trajectory recorded (step type, schedule, noise level, guidance, negative prompt), never anew.
+
+One transition (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470, eq. 9-10, step type ``sde``):
+v = cfg_combine(v_cond, v_uncond, guidance_scale) (Ho & Salimans 2022), then
+``step(x, v, sigma_t, sigma_t+1, noise_level)`` gives x_next and log p(x_next | x). Sampling
+(:meth:`Sampler.sample`) and the recomputation (:func:`log_prob`) both combine the branches with
+``cfg_combine`` and call the step type registered under the trajectory's recorded name.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from pretrain.data.dataset import EncodedSet
+from pretrain.flow import cfg_combine
+from pretrain.guidance import cfg_branches, guided_velocity
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
-from pretrain.flow import cfg_combine
-from pretrain.guidance import guided_branches, guided_velocity
-from rollout.sde import sde_step
-from rollout.trajectory import Trajectory
+from rollout.branches import CFGBranches
+from rollout.config import RolloutConfig
+from rollout.noise import rollout_noise
+from rollout.steps import get_step
+from rollout.trajectory import SamplingSettings, Trajectory, train_timesteps
 
 
-def rollout_noise(shape: tuple[int, ...], num_steps: int, seed: int, step: int, sample_ids: list[int],
-                  shared_group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Initial noise ``[B, *shape]`` and per-transition noise ``[B, T, *shape]`` (float32, CPU): sample
-    i's draws come from the generator (seed, "rollout", step, sample_ids[i]) only, so they do not
-    depend on batch layout or rank.
-
-    ``shared_group_size`` = G: samples ``i`` with the same ``sample_ids[i] // G`` (one prompt group)
-    start from the same initial noise, drawn from (seed, "rollout", step, sample_ids[i] // G, "init"), as
-    DanceGRPO does (Xue et al. 2025, arXiv 2505.07818): the group's rewards then differ only through
-    the SDE's per-transition noise, the part of the trajectory the log-probs credit."""
-    init, steps, shared = [], [], {}
-    for i in sample_ids:
-        g = generator_for(seed, "rollout", step, int(i))
-        init.append(torch.randn(shape, generator=g))  # drawn even when shared: the steps' draws stay the same
-        steps.append(torch.randn((num_steps, *shape), generator=g))
-        if shared_group_size:
-            key = int(i) // shared_group_size
-            if key not in shared:  # one draw per group in this batch
-                shared[key] = torch.randn(shape, generator=generator_for(seed, "rollout", step, key, "init"))
-            init[-1] = shared[key]
-    return torch.stack(init), torch.stack(steps)
+def model_timesteps(model, sigmas: torch.Tensor) -> torch.Tensor:
+    """The timestep the adapter feeds its denoiser at each of ``sigmas`` (float32, same shape): the
+    adapter's ``timestep(sigma)`` where it declares one, else the sigmas themselves."""
+    convert = getattr(model, "timestep", None)
+    return (convert(sigmas) if callable(convert) else sigmas).float().clone()
 
 
-@torch.no_grad()
-def sde_rollout(model, codec, embeds: PromptEmbeds, null_embeds: PromptEmbeds, prompts: list[str],
-                group_ids: torch.Tensor, sample_ids: list[int], sigmas: torch.Tensor, noise_level: float,
-                guidance_scale: float, latent_shape: tuple[int, ...], seed: int, step: int,
-                device: torch.device, shared_group_size: int | None = None, record_uncond: bool = False) -> Trajectory:
-    """Sample one batch with the SDE and record every latent and log-prob.
+class Sampler:
+    """Built from a ``rollout:`` block (:class:`rollout.config.RolloutConfig`) for one model:
+    ``sigmas`` float32 ``[T + 1]`` (the model's schedule at ``num_inference_steps`` and the shift),
+    ``negative`` the negative-prompt embedding ``[1, ...]``. Every trajectory it draws carries
+    ``self.settings``; :func:`log_prob` reads them back."""
 
-    ``model``: a :class:`pretrain.backbone.Backbone`; ``sigmas``: its ``model.sigmas(...)``. The first
-    state is the unit noise times ``model.initial_scale(sigmas[0])``; ``shared_group_size``: see
-    :func:`rollout_noise`. ``record_uncond``: keep the unconditional branch's velocities
-    (``Trajectory.uncond_velocities``, with CFG only) so that training before the first optimizer step
-    reuses them instead of recomputing them (``perf.reuse_rollout_uncond``)."""
-    num_steps = len(sigmas) - 1
-    x, z = rollout_noise(latent_shape, num_steps, seed, step, sample_ids, shared_group_size)
-    x, z = x.to(device) * model.initial_scale(float(sigmas[0])), z.to(device)
-    embeds = embeds.to(device)
-    null = null_embeds.to(device)
-    sig = sigmas.to(device)
-    latents, log_probs = [x], []
-    record = record_uncond and guidance_scale != 1.0
-    uncond = torch.empty((x.shape[0], num_steps, *x.shape[1:]), device=device) if record else None
-    for t in range(num_steps):
-        s = sig[t].expand(x.shape[0])
-        if record:  # copied out: a view would keep the whole 2B output of every step alive
-            v_cond, v_uncond = guided_branches(model, x, s, embeds, null)
-            v = cfg_combine(v_cond, v_uncond, guidance_scale)
-            uncond[:, t] = v_uncond
-        else:
-            v = guided_velocity(model, x, s, embeds, null, guidance_scale)
-        out = sde_step(x, v, sig[t], sig[t + 1], noise_level, sig[1], noise=z[:, t])
-        x = out.prev_sample
-        latents.append(x)
-        log_probs.append(out.log_prob)
-    images = codec.decode(x)
-    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas.cpu().clone(), embeds,
-                      images, list(prompts), group_ids.clone(), torch.as_tensor(sample_ids),
-                      uncond)
+    def __init__(self, cfg: RolloutConfig, sigmas: torch.Tensor, negative: PromptEmbeds,
+                 timesteps: torch.Tensor | None = None):
+        self.cfg = cfg
+        self.step = get_step(cfg.step)
+        sigmas = sigmas.float().cpu().clone()
+        self.settings = SamplingSettings(cfg.step, sigmas, sigmas[:-1].clone() if timesteps is None else timesteps,
+                                         cfg.noise_level, cfg.guidance_scale, negative, cfg.negative_prompt)
+
+    @classmethod
+    def build(cls, cfg: RolloutConfig, model, encoder, device, shift: float) -> "Sampler":
+        """The sampler of ``cfg`` for ``model`` (a :class:`pretrain.backbone.Backbone`): its schedule at
+        ``cfg.shift`` (``shift`` where that is None), ``cfg.negative_prompt`` encoded by ``encoder``."""
+        sigmas = model.sigmas(cfg.num_inference_steps, shift if cfg.shift is None else cfg.shift)
+        negative = encoder.encode([cfg.negative_prompt]).to(device)
+        return cls(cfg, sigmas, negative, model_timesteps(model, sigmas[:-1]))
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.settings.sigmas) - 1
+
+    def train_transitions(self, seed: int, iteration: int) -> list[int]:
+        """The transitions trained this iteration (``timestep_fraction`` / ``timestep_selection``;
+        a random subset is drawn from (seed, "train", iteration))."""
+        return train_timesteps(self.num_steps, self.cfg.timestep_fraction, self.cfg.timestep_selection,
+                               generator_for(seed, "train", iteration))
+
+    @torch.no_grad()
+    def sample(self, model, codec, embeds: PromptEmbeds, prompts: list[str], *, group_ids: torch.Tensor,
+               sample_ids: list[int], latent_shape: tuple[int, ...], seed: int, iteration: int, device,
+               shared_group_size: int | None = None, record_uncond: bool = False) -> Trajectory:
+        """One batch of B samples: every latent and log-prob, images decoded by ``codec`` (float32 in
+        [0, 1]). The first state is the unit noise of :func:`rollout.noise.rollout_noise` (keyed by
+        ``sample_ids``, the global indices) times ``model.initial_scale(sigmas[0])``.
+        ``record_uncond``: keep the unconditional branch's velocities (``Trajectory.uncond_velocities``,
+        with CFG only) so that training before the first optimizer step may reuse them."""
+        s = self.settings
+        x, z = rollout_noise(latent_shape, self.num_steps, seed, iteration, sample_ids, shared_group_size)
+        x, z = x.to(device) * model.initial_scale(float(s.sigmas[0])), z.to(device)
+        embeds, null, sig = embeds.to(device), s.negative.to(device), s.sigmas.to(device)
+        latents, log_probs = [x], []
+        record = record_uncond and s.guidance_scale != 1.0
+        uncond = torch.empty((x.shape[0], self.num_steps, *x.shape[1:]), device=device) if record else None
+        for t in range(self.num_steps):
+            sigma = sig[t].expand(x.shape[0])
+            if record:  # copied out: a view would keep the whole 2B output of every step alive
+                v_cond, v_uncond = cfg_branches(model, x, sigma, embeds, null)
+                v = cfg_combine(v_cond, v_uncond, s.guidance_scale)
+                uncond[:, t] = v_uncond
+            else:
+                v = guided_velocity(model, x, sigma, embeds, null, s.guidance_scale)
+            out = self.step(x, v, sig[t], sig[t + 1], noise_level=s.noise_level, sigma_after_one=sig[1],
+                            noise=z[:, t])
+            x = out.prev_sample
+            latents.append(x)
+            log_probs.append(out.log_prob)
+        return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), s, embeds, codec.decode(x),
+                          list(prompts), group_ids.clone(), torch.as_tensor(sample_ids), uncond)
+
+    def rollout(self, model, codec, prompts: EncodedSet, prompt_idx: list[int], *, latent_shape: tuple[int, ...],
+                seed: int, iteration: int, device, sample_offset: int = 0,
+                on_batch: Callable[[Trajectory], None] | None = None, record_uncond: bool = False) -> Trajectory:
+        """``cfg.group_size`` samples for each prompt in ``prompt_idx`` (indices into ``prompts``), in
+        batches of ``cfg.batch_size``. Sample ``p * group_size + g`` (plus ``sample_offset``, a rank's
+        share start) is the global index that seeds its noise; its group id is ``p``.
+        ``on_batch(batch_trajectory)`` is called, in batch order, as soon as each batch is decoded (e.g.
+        to submit its reward scoring while the next batch samples). Raises ``ValueError`` when
+        ``shared_initial_noise`` is set and ``sample_offset`` is not on a group boundary."""
+        group_size, batch_size = self.cfg.group_size, self.cfg.batch_size
+        shared = group_size if self.cfg.shared_initial_noise else None
+        if shared and sample_offset % group_size:
+            raise ValueError(f"rollout: sample_offset {sample_offset} is not on a group boundary "
+                             f"(group_size {group_size}): shared initial noise would straddle groups")
+        n, out = len(prompt_idx) * group_size, []
+        for start in range(0, n, batch_size):
+            ids = list(range(start, min(n, start + batch_size)))
+            groups = [i // group_size for i in ids]
+            _, embeds, captions = prompts.batch([prompt_idx[g] for g in groups])
+            out.append(self.sample(model, codec, embeds, captions, group_ids=torch.as_tensor(groups),
+                                   sample_ids=[sample_offset + i for i in ids], latent_shape=latent_shape, seed=seed,
+                                   iteration=iteration, device=device, shared_group_size=shared,
+                                   record_uncond=record_uncond))
+            if on_batch is not None:
+                on_batch(out[-1])
+        return Trajectory.cat(out)
+
+
+def log_prob(branches, traj: Trajectory, transitions: int | list[int]):
+    """Recompute transition(s) ``transitions`` of ``traj``: the step (of the type the trajectory
+    records) whose ``prev_sample`` is the recorded next latent, so ``log_prob`` is comparable with
+    ``traj.log_probs[:, t]``. Returns the step type's result (:class:`rollout.sde.SDEStep`: ``log_prob``
+    float32 ``[k * B]``, ``mean``, ``std_dev_t``).
+
+    ``branches``: a model (:class:`pretrain.backbone.Backbone`, its CFG branches computed by a default
+    :class:`rollout.branches.CFGBranches`) or a ``CFGBranches`` configured by the caller.
+    ``transitions``: one index (rows = the B samples) or a list of k (one forward over k * B rows,
+    ordered transition-major: row j * B + i is sample i at transition t[j])."""
+    ts = [transitions] if isinstance(transitions, int) else list(transitions)
+    s = traj.settings
+    if isinstance(branches, torch.nn.Module):
+        branches = CFGBranches(branches)
+    dev = traj.latents.device
+    sig, idx, b = s.sigmas.to(dev), torch.as_tensor(ts, device=dev), len(traj)
+    rows = (len(ts) * b, *traj.latents.shape[2:])
+
+    def transition_major(buf: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:  # [B, T, ...] -> [k * B, ...]
+        return lambda i: buf[:, i].transpose(0, 1).reshape(rows)
+
+    latents = transition_major(traj.latents)
+    x, prev = latents(idx), latents(idx + 1)
+    sigma, sigma_next = sig[idx].repeat_interleave(b), sig[idx + 1].repeat_interleave(b)
+    embeds = traj.embeds if len(ts) == 1 else PromptEmbeds.cat([traj.embeds] * len(ts))
+    recorded = None if traj.uncond_velocities is None else (lambda: transition_major(traj.uncond_velocities)(idx))
+    v_cond, v_uncond = branches(x, sigma, embeds, s.negative.to(dev) if s.guidance_scale != 1.0 else None, recorded)
+    v = v_cond if v_uncond is None else cfg_combine(v_cond, v_uncond, s.guidance_scale)
+    return get_step(s.step)(x, v, sigma, sigma_next, noise_level=s.noise_level, sigma_after_one=sig[1],
+                            prev_sample=prev)

@@ -1,4 +1,4 @@
-"""The rollout buffer: what one SDE sampling pass recorded."""
+"""The rollout buffer: what one sampling pass recorded, and the settings it was sampled with."""
 
 from __future__ import annotations
 
@@ -9,19 +9,45 @@ import torch
 from pretrain.text_encoder import PromptEmbeds
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What a trajectory was sampled with, read back (never rebuilt) when its log-probs are recomputed.
+
+    ``step``: the step type's name (:mod:`rollout.steps`); ``sigmas``: float32 ``[T + 1]``, the
+    schedule walked; ``timesteps``: float32 ``[T]``, the timestep the denoiser received at each
+    transition (the adapter's convention, e.g. sigma * 1000 for SD3; the sigmas where the adapter
+    declares none); ``noise_level``; ``guidance_scale``; ``negative``: the negative-prompt embedding
+    ``[1, ...]`` of the unconditional branch and ``negative_prompt`` its text."""
+
+    step: str
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    noise_level: float
+    guidance_scale: float
+    negative: PromptEmbeds
+    negative_prompt: str = ""
+
+    def same_as(self, other: "SamplingSettings") -> bool:
+        """True when ``other`` records the same step, schedule, noise level, guidance and negative prompt."""
+        return other is self or (
+            (self.step, self.noise_level, self.guidance_scale, self.negative_prompt)
+            == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt)
+            and torch.equal(self.sigmas, other.sigmas) and torch.equal(self.timesteps, other.timesteps))
+
+
 @dataclass
 class Trajectory:
     """``latents``: float32 ``[B, T + 1, C, h, w]`` (x at sigmas[0..T]); ``log_probs``: float32 ``[B, T]``
-    (per-element-mean log-density of transition t); ``sigmas``: float32 ``[T + 1]``, the schedule used
-    (reused, never rebuilt); ``embeds``: prompt embeddings ``[B, ...]``; ``images``: float32
-    ``[B, 3, H, W]`` in [0, 1]; ``prompts``: B strings; ``group_ids``: long ``[B]`` (prompt group);
-    ``sample_ids``: long ``[B]`` global sample indices (the seeding key); ``uncond_velocities``: float32
-    ``[B, T, *latent]`` (``[B, T, C, h, w]``, video ``[B, T, C, F, h, w]``), the unconditional CFG
-    branch's velocity at latents[:, t], when the rollout recorded it (``record_uncond``), else None."""
+    (per-element-mean log-density of transition t); ``settings``: :class:`SamplingSettings` (shared by
+    every sample); ``embeds``: prompt embeddings ``[B, ...]``; ``images``: float32 ``[B, 3, H, W]`` in
+    [0, 1] (videos ``[B, F, 3, H, W]``); ``prompts``: B strings; ``group_ids``: long ``[B]`` (prompt
+    group); ``sample_ids``: long ``[B]`` global sample indices (the seeding key); ``uncond_velocities``:
+    float32 ``[B, T, *latent]``, the unconditional CFG branch's velocity at latents[:, t], when the
+    rollout recorded it (``record_uncond``), else None."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
-    sigmas: torch.Tensor
+    settings: SamplingSettings
     embeds: PromptEmbeds
     images: torch.Tensor
     prompts: list[str]
@@ -32,19 +58,27 @@ class Trajectory:
     def __len__(self) -> int:
         return self.latents.shape[0]
 
+    @property
+    def sigmas(self) -> torch.Tensor:
+        """The schedule the trajectory was sampled on, float32 ``[T + 1]``."""
+        return self.settings.sigmas
+
     def select(self, idx: torch.Tensor) -> "Trajectory":
-        """The samples at ``idx`` (long ``[k]``), same schedule."""
+        """The samples at ``idx`` (long ``[k]``), same settings."""
         idx = torch.as_tensor(idx, dtype=torch.long)
         dev = idx.to(self.latents.device)
-        return Trajectory(self.latents[dev], self.log_probs[dev], self.sigmas, self.embeds[dev],
+        return Trajectory(self.latents[dev], self.log_probs[dev], self.settings, self.embeds[dev],
                           self.images[idx.to(self.images.device)], [self.prompts[i] for i in idx.tolist()],
                           self.group_ids[idx], self.sample_ids[idx],
                           None if self.uncond_velocities is None else self.uncond_velocities[dev])
 
     @staticmethod
     def cat(items: list["Trajectory"]) -> "Trajectory":
+        """One trajectory of ``items`` in order; ``ValueError`` if they were sampled with different settings."""
+        if any(not items[0].settings.same_as(t.settings) for t in items[1:]):
+            raise ValueError("Trajectory.cat: the trajectories were sampled with different settings")
         return Trajectory(
-            torch.cat([t.latents for t in items]), torch.cat([t.log_probs for t in items]), items[0].sigmas,
+            torch.cat([t.latents for t in items]), torch.cat([t.log_probs for t in items]), items[0].settings,
             PromptEmbeds.cat([t.embeds for t in items]), torch.cat([t.images for t in items]),
             [p for t in items for p in t.prompts], torch.cat([t.group_ids for t in items]),
             torch.cat([t.sample_ids for t in items]),

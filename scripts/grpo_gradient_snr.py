@@ -36,6 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
+
+from posttrain.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 
 
@@ -73,7 +75,7 @@ def measure(config: str, overrides: list[str], batches: int, run_dir: str) -> No
 
     run.rt.optimizer_step = record
     for i in range(batches):
-        metrics = run.iteration()
+        metrics = step_once(run)
         grads.append(torch.stack(pending).sum(0))
         pending.clear()
         rewards = {k[len("reward/"):-len("_mean")]: round(v, 4) for k, v in metrics.items()

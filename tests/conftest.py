@@ -57,3 +57,15 @@ def dpo_config(run_dir, export, *overrides):
 
     return load_config(DPOConfig, ROOT / "configs/dpo/emoji_tiny.yaml",
                        [f"run_dir={run_dir}", f"model.pretrained={export}", *overrides])
+
+
+def sampler_rollout(model, codec, prompts, prompt_idx, *, group, batch, sigmas, null, noise, scale, latent_shape,
+                    device="cpu", seed=0, iteration=0, shared_initial_noise=False, **kw):
+    """A :class:`rollout.sampler.Sampler` with these settings, rolled out over ``prompt_idx``."""
+    from rollout.config import RolloutConfig
+    from rollout.sampler import Sampler
+
+    cfg = RolloutConfig(noise_level=noise, guidance_scale=scale, group_size=group, batch_size=batch,
+                        shared_initial_noise=shared_initial_noise)
+    return Sampler(cfg, sigmas, null).rollout(model, codec, prompts, list(prompt_idx), latent_shape=latent_shape,
+                                              seed=seed, iteration=iteration, device=device, **kw)

@@ -1,12 +1,14 @@
 """Atomic training-state checkpoints with torch.distributed.checkpoint (DCP), single process included.
 
-Layout: ``<run>/checkpoints/step_<N>/`` (a DCP folder). A checkpoint is written to
+Layout: ``<run>/checkpoints/step_<N>/`` (a DCP folder, N the stage's step: see each stage's docs, plus
+``shape.json``, the run settings a resume must keep). A checkpoint is written to
 ``.tmp_step_<N>/`` and renamed only once complete, so a crash mid-write never leaves a
 ``step_<N>`` folder that does not load; ``latest()`` ignores temp folders.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -19,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 _STEP = re.compile(r"^step_(\d+)$")
+SHAPE = "shape.json"
 
 
 def rng_state() -> dict:
@@ -78,13 +81,16 @@ class CheckpointManager:
         steps = self.steps()
         return self.root / f"step_{steps[-1]}" if steps else None
 
-    def save(self, step: int, state: dict) -> Path:
-        """Write ``state`` (nested dict of tensors / picklable objects) as ``step_<step>``."""
+    def save(self, step: int, state: dict, shape: dict | None = None) -> Path:
+        """Write ``state`` (nested dict of tensors / picklable objects) as ``step_<step>``, with the run's
+        ``shape`` (``{dotted config key: value}``, what a resume must not change) in ``shape.json``."""
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp_step_{step}"
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
+            if shape:
+                (tmp / SHAPE).write_text(json.dumps(shape, indent=1, sort_keys=True))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, checkpoint_id=str(tmp))
@@ -101,6 +107,22 @@ class CheckpointManager:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank looks for the checkpoint before rank 0 has renamed it
         return final
+
+    @staticmethod
+    def check_shape(path: str | Path, shape: dict) -> None:
+        """``ConfigError`` naming the key and both values when the checkpoint at ``path`` was written by a
+        run of another shape (group size, LoRA rank, world size, ...); checkpoints without a recorded
+        shape pass."""
+        from pretrain.config import ConfigError
+
+        recorded = Path(path) / SHAPE
+        if not recorded.is_file():
+            return
+        saved = json.loads(recorded.read_text())
+        for key, value in shape.items():
+            if key in saved and saved[key] != value:
+                raise ConfigError(f"{key}: the checkpoint {path} was written with {saved[key]!r}, this run has "
+                                  f"{value!r}; resume with the same {key} or start a new run_dir")
 
     def load(self, state: dict, path: str | Path) -> None:
         """Load ``path`` into the template ``state`` in place (same keys as when saved)."""

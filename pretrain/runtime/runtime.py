@@ -41,11 +41,13 @@ class Runtime:
     """Optimisation state of one trainable ``model`` (its ``requires_grad`` parameters).
 
     ``total_steps``: optimizer steps of the whole run for the LR schedule (default ``cfg.steps``;
-    trainers whose ``steps`` count iterations pass it explicitly)."""
+    trainers whose ``steps`` count iterations pass it explicitly). ``shape``: ``{dotted config key:
+    value}`` recorded with every checkpoint; resuming with a different value is refused
+    (``ConfigError`` naming the key and both values). The world size is always part of it."""
 
     def __init__(self, model: torch.nn.Module, cfg: RuntimeConfig, optim: OptimConfig, device: torch.device,
                  checkpoint_dir: str | Path, keep_last: int = 2, stateful: dict[str, Stateful] | None = None,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, shape: dict | None = None):
         self.model, self.cfg, self.optim_cfg, self.device = model, cfg, optim, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optim)
@@ -55,6 +57,8 @@ class Runtime:
         self.guard = NonFiniteGuard(cfg.max_nonfinite)
         self.checkpoints = CheckpointManager(checkpoint_dir, keep_last)
         self.stateful = dict(stateful or {})
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.shape = {"world size (torchrun --nproc_per_node x --nnodes)": world, **(shape or {})}
         self.step = 0
         self.amp_overflows = 0
 
@@ -121,8 +125,9 @@ class Runtime:
             state["scaler"] = self.precision.scaler.state_dict()
         return state
 
-    def save(self) -> Path:
-        return self.checkpoints.save(self.step, self.state_dict())
+    def save(self, step: int | None = None) -> Path:
+        """Checkpoint the state as ``step_<step>`` (default: the optimizer step count)."""
+        return self.checkpoints.save(self.step if step is None else step, self.state_dict(), self.shape)
 
     def load(self, path: str | Path) -> None:
         state = self.state_dict()
@@ -157,5 +162,6 @@ class Runtime:
         """Load the latest complete checkpoint if there is one; returns its path."""
         latest = self.checkpoints.latest()
         if latest is not None:
+            self.checkpoints.check_shape(latest, self.shape)
             self.load(latest)
         return latest

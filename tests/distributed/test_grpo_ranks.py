@@ -31,26 +31,27 @@ def brightness(images, prompts=None, metadata=None):
 
 def _grpo(rank, world, export, run_dir, overrides=()):
     import posttrain.grpo as grpo
+    from posttrain.loop import step_once
 
     cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4", *overrides)
     cfg.rewards = {REWARD: 1.0}
     t0 = time.perf_counter()
     run = grpo.GRPORun(cfg)
-    records, collect, advantages = [], grpo.collect_rollouts, run.advantages
+    records, collect, advantages = [], run.sampler.rollout, run.parts.advantage
 
     def keep_rollout(*args, **kwargs):
         traj = collect(*args, **kwargs)
         records.append({"images": traj.images.clone(), "sample_ids": traj.sample_ids.clone()})
         return traj
 
-    def keep_advantages(total, raw, group_ids):
-        out = advantages(total, raw, group_ids)
+    def keep_advantages(total, raw, weights, group_ids):
+        out = advantages(total, raw, weights, group_ids)
         records[-1].update(total=total.clone(), group_ids=group_ids.clone(), adv=out[0].clone())
         return out
 
-    grpo.collect_rollouts, run.advantages = keep_rollout, keep_advantages
+    run.sampler.rollout, run.parts.advantage = keep_rollout, keep_advantages
     for _ in range(2):
-        run.iteration()
+        step_once(run)
     out = run.finish()
     seconds = time.perf_counter() - t0
     lora = Path(run_dir) / "grpo" / "lora" / "pytorch_lora_weights.safetensors"
@@ -161,12 +162,13 @@ def brightness_some_nan(images, prompts=None, metadata=None):
 
 def _grpo_nan(rank, world, export, run_dir):
     import posttrain.grpo as grpo
+    from posttrain.loop import step_once
 
     cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4")
     cfg.rewards = {"tests.distributed.test_grpo_ranks:brightness_some_nan": 1.0}
     run = grpo.GRPORun(cfg)
     for _ in range(2):
-        run.iteration()
+        step_once(run)
     run.finish()
     lora = Path(run_dir) / "grpo" / "lora" / "pytorch_lora_weights.safetensors"
     return load_file(str(lora)) if rank == 0 else None

@@ -25,8 +25,8 @@ def tiny_video_model(seed: int = 0):
 
 
 def _video_sp(rank, world):
-    from posttrain.grpo_update import transition_log_prob
-    from rollout.sampler import sde_rollout
+    from rollout.config import RolloutConfig
+    from rollout.sampler import Sampler, log_prob
 
     mesh = ParallelDims(dp_shard=1, sp=2).build_mesh()
     ref, model = tiny_video_model(), tiny_video_model()
@@ -51,13 +51,12 @@ def _video_sp(rank, world):
     # a video rollout sampled without SP, its log-probs recomputed with SP = 2 (and without, in train mode)
     null = PromptEmbeds(torch.zeros(1, 5, TEXT_DIM), torch.zeros(1, 0))
     with torch.no_grad():
-        traj = sde_rollout(ref.eval(), VideoPatchifyCodec(2, FRAMES), embeds, null, ["a", "b"],
-                           torch.tensor([0, 0]), [0, 1], sigma_schedule(STEPS, 3.0), NOISE, SCALE,
-                           (12, FRAMES, 8, 8), 0, 0, "cpu")
-        lp_sp = torch.stack([transition_log_prob(model.train(), traj, t, null, SCALE, NOISE).log_prob
-                             for t in range(STEPS)], 1)
-        lp_one = torch.stack([transition_log_prob(ref.train(), traj, t, null, SCALE, NOISE).log_prob
-                              for t in range(STEPS)], 1)
+        sampler = Sampler(RolloutConfig(noise_level=NOISE, guidance_scale=SCALE), sigma_schedule(STEPS, 3.0), null)
+        traj = sampler.sample(ref.eval(), VideoPatchifyCodec(2, FRAMES), embeds, ["a", "b"],
+                              group_ids=torch.tensor([0, 0]), sample_ids=[0, 1], latent_shape=(12, FRAMES, 8, 8),
+                              seed=0, iteration=0, device="cpu")
+        lp_sp = torch.stack([log_prob(model.train(), traj, t).log_prob for t in range(STEPS)], 1)
+        lp_one = torch.stack([log_prob(ref.train(), traj, t).log_prob for t in range(STEPS)], 1)
     result.update(images=tuple(traj.images.shape), lp_sp_diff=float((lp_sp - traj.log_probs).abs().max()),
                   lp_one_diff=float((lp_one - traj.log_probs).abs().max()),
                   lp_finite=bool(torch.isfinite(traj.log_probs).all()))

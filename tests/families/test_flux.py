@@ -124,9 +124,9 @@ def test_ode_sampler_reproduces_flux_pipeline(flux_dir, capsys):
 
 
 def test_grpo_log_probs_recomputed_in_training_equal_rollout(flux_dir, capsys):
-    from posttrain.grpo_update import transition_log_prob
     from pretrain.data.dataset import EncodedSet
-    from rollout.collect import collect_rollouts
+    from rollout.sampler import log_prob
+    from tests.conftest import sampler_rollout
     from tests.families.lora_policy import perturbed_lora_policy
 
     model, encoder, codec, meta = load_exported(flux_dir, options=OPTIONS)
@@ -136,15 +136,15 @@ def test_grpo_log_probs_recomputed_in_training_equal_rollout(flux_dir, capsys):
     perturbed_lora_policy(model)  # LoRA with B != 0: the policy differs from the reference
     assert any("single_transformer_blocks.0.attn.to_q.lora_A" in n for n, _ in model.named_parameters())
     model.eval()
-    traj = collect_rollouts(model, codec, prompts, [0, 1, 2], 2, 4, null, model.sigmas(STEPS), 0.7, 1.0,
-                            codec.latent_shape(SIZE, SIZE), 0, 0, "cpu")
+    traj = sampler_rollout(model, codec, prompts, [0, 1, 2], group=2, batch=4, null=null, sigmas=model.sigmas(STEPS),
+                           noise=0.7, scale=1.0, latent_shape=codec.latent_shape(SIZE, SIZE))
     model.train()
     worst = 0.0
     with torch.enable_grad():
         for start in (0, 3):  # mini-batches of 3, rollout batches of 4 + 2
             mb = traj.select(torch.arange(start, start + 3))
             for t in range(STEPS):
-                new = transition_log_prob(model, mb, t, null, 1.0, 0.7).log_prob
+                new = log_prob(model, mb, t).log_prob
                 assert torch.isfinite(new).all()
                 worst = max(worst, (torch.exp(new - mb.log_probs[:, t]) - 1).abs().max().item())
     with capsys.disabled():

@@ -145,9 +145,9 @@ def test_ode_sampling_matches_the_diffusers_pipeline(folder, capsys):
 
 
 def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
-    from posttrain.grpo_update import transition_log_prob
     from pretrain.data.dataset import DataConfig, build_datasets
-    from rollout.collect import collect_rollouts
+    from rollout.sampler import log_prob
+    from tests.conftest import sampler_rollout
     from tests.families.lora_policy import perturbed_lora_policy
 
     model, encoder, codec, meta = load_exported(folder, options={"max_sequence_length": 32})
@@ -155,19 +155,19 @@ def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
     null = encoder.encode([""])
     policy = perturbed_lora_policy(model)
     model.eval()
-    traj = collect_rollouts(model, codec, train, [0, 1], 2, 3, null, model.sigmas(STEPS), NOISE, SCALE,
-                            codec.latent_shape(SIZE, SIZE), 0, 0, "cpu")  # 4 samples, batches of 3 + 1
+    traj = sampler_rollout(model, codec, train, [0, 1], group=2, batch=3, null=null, sigmas=model.sigmas(STEPS),
+                           noise=NOISE, scale=SCALE, latent_shape=codec.latent_shape(SIZE, SIZE))  # batches of 3 + 1
     model.train()
     d_logp = d_ratio = 0.0
     with torch.enable_grad():
         for start in (0, 2):  # mini-batches of 2, not the rollout's
             mb = traj.select(torch.arange(start, start + 2))
             for t in range(STEPS):
-                new = transition_log_prob(model, mb, t, null, SCALE, NOISE, detach_uncond=True).log_prob
+                new = log_prob(model, mb, t).log_prob  # the default branches detach the unconditional one
                 d_logp = max(d_logp, (new - mb.log_probs[:, t]).abs().max().item())
                 d_ratio = max(d_ratio, (torch.exp(new - mb.log_probs[:, t]) - 1).abs().max().item())
         with torch.no_grad(), policy.reference() as ref:  # the metric sees a different policy
-            d_ref = (transition_log_prob(ref, mb, 0, null, SCALE, NOISE).log_prob - mb.log_probs[:, 0]).abs().max()
+            d_ref = (log_prob(ref, mb, 0).log_prob - mb.log_probs[:, 0]).abs().max()
     with capsys.disabled():
         print(f"\nsd3 rollout vs training recomputation over {STEPS} transitions: max |log_prob diff| {d_logp:.2e}, "
               f"max |ratio - 1| {d_ratio:.2e} (reference policy: {d_ref:.2e})")
@@ -182,7 +182,8 @@ def test_sd35_medium_config_loads(folder):
     cfg = load_config(GRPOConfig, ROOT / "configs/grpo/sd35_medium.yaml", [f"model.pretrained={folder}"])
     assert cfg.model.pretrained == str(folder) and cfg.model.options["image_size"] == 512
     assert (cfg.rollout.num_inference_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale) == (10, 0.7, 4.5)
-    assert (cfg.policy.lora_rank, cfg.policy.lora_alpha, cfg.grpo.clip_range, cfg.grpo.beta) == (32, 64, 1e-4, 0.04)
+    assert (cfg.policy.lora_rank, cfg.policy.lora_alpha) == (32, 64)
+    assert (cfg.grpo.loss["clip_range"], cfg.grpo.loss["beta"]) == (1e-4, 0.04)
     assert cfg.optim.lr == 3e-4 and cfg.train.precision == "bf16"
     assert iteration_shape(cfg)[0] == cfg.rollout.prompts_per_step * cfg.rollout.group_size
 

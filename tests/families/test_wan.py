@@ -146,9 +146,9 @@ def test_codec_options_and_unipc_schedule(wan_folder, tmp_path):
 
 
 def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(wan_folder, capsys):
-    from posttrain.grpo_update import transition_log_prob
     from pretrain.data.dataset import EncodedSet
-    from rollout.collect import collect_rollouts
+    from rollout.sampler import log_prob
+    from tests.conftest import sampler_rollout
     from tests.families.lora_policy import perturbed_lora_policy
 
     model, encoder, codec, meta = load_exported(wan_folder, options={**OPTIONS, "image_size": 16})
@@ -158,15 +158,15 @@ def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(wan_folder
     perturbed_lora_policy(model)
     model.eval()
     sigmas = model.sigmas(STEPS)
-    traj = collect_rollouts(model, codec, prompts, [0, 1, 2], 2, 4, null, sigmas, NOISE, SCALE,
-                            codec.latent_shape(16, 16), 0, 0, "cpu")  # 6 videos in batches of 4 + 2
+    traj = sampler_rollout(model, codec, prompts, [0, 1, 2], group=2, batch=4, null=null, sigmas=sigmas, noise=NOISE,
+                           scale=SCALE, latent_shape=codec.latent_shape(16, 16))  # 6 videos in batches of 4 + 2
     assert traj.latents.shape == (6, STEPS + 1, 4, 2, 2, 2) and traj.images.shape == (6, FRAMES, 3, 16, 16)
     model.train()  # train mode, mini-batches of 3 (not the rollout's 4), CFG uncond branch detached
     deviations = []
     with torch.enable_grad():
         for start, t in itertools.product((0, 3), range(STEPS)):
             mb = traj.select(torch.arange(start, start + 3))
-            ratio = torch.exp(transition_log_prob(model, mb, t, null, SCALE, NOISE).log_prob - mb.log_probs[:, t])
+            ratio = torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t])
             deviations.append((ratio - 1).abs().max().item())
     worst = torch.tensor(deviations).max().item()  # NaN propagates and fails the assertion below
     with capsys.disabled():

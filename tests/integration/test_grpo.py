@@ -3,7 +3,7 @@
 import torch
 
 from posttrain.grpo import train as grpo_train
-from posttrain.grpo_update import GRPOLossConfig, grpo_update, transition_log_prob
+from posttrain.grpo_update import GRPOAlgorithmConfig, GRPOUpdate
 from posttrain.policy import Policy, PolicyConfig
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.export import load_exported
@@ -12,8 +12,8 @@ from pretrain.runtime.metrics import read_metrics
 from pretrain.runtime.runtime import Runtime
 from pretrain.schedule import sigma_schedule
 from rewards.base import REGISTRY, register
-from rollout.collect import collect_rollouts
-from tests.conftest import grpo_config
+from rollout.sampler import log_prob
+from tests.conftest import grpo_config, sampler_rollout
 
 STEPS, SCALE, NOISE = 6, 4.5, 0.7
 
@@ -34,8 +34,9 @@ def _setup(export, seed=0):
 def _rollout(model, codec, train, null, meta, n_prompts=3, group=2, batch=4, **kw):
     size = meta["image_size"] // codec.downsample
     model.eval()
-    return collect_rollouts(model, codec, train, list(range(n_prompts)), group, batch, null,
-                            sigma_schedule(STEPS, 3.0), NOISE, SCALE, (codec.channels, size, size), 0, 0, "cpu", **kw)
+    return sampler_rollout(model, codec, train, range(n_prompts), group=group, batch=batch, null=null,
+                           sigmas=sigma_schedule(STEPS, 3.0), noise=NOISE, scale=SCALE,
+                           latent_shape=(codec.channels, size, size), **kw)
 
 
 def test_log_probs_recomputed_in_training_equal_rollout(tiny_export):
@@ -46,7 +47,7 @@ def test_log_probs_recomputed_in_training_equal_rollout(tiny_export):
         for start in (0, 3):
             mb = traj.select(torch.arange(start, start + 3))
             for t in range(STEPS):
-                new = transition_log_prob(model, mb, t, null, SCALE, NOISE, detach_uncond=True).log_prob
+                new = log_prob(model, mb, t).log_prob  # the default branches detach the unconditional one
                 assert torch.isfinite(new).all()
                 assert (new - mb.log_probs[:, t]).abs().max().item() <= 1e-5, t
                 ratio = torch.exp(new - mb.log_probs[:, t])
@@ -64,7 +65,7 @@ def test_bf16_log_probs_are_finite_and_close(tiny_export, capsys):
         for start in (0, 3):  # mini-batches of 3, rollout batches of 4
             mb = traj.select(torch.arange(start, start + 3))
             for t in range(STEPS):
-                new = transition_log_prob(model, mb, t, null, SCALE, NOISE).log_prob
+                new = log_prob(model, mb, t).log_prob
                 assert new.dtype == torch.float32 and torch.isfinite(new).all()
                 worst = max(worst, (new - mb.log_probs[:, t]).abs().max().item())
     with capsys.disabled():
@@ -78,8 +79,9 @@ def test_gradient_accumulation_keeps_old_log_probs_and_moves_ratio(tiny_export):
     stored = traj.log_probs.clone()
     rt = Runtime(model, RuntimeConfig(steps=1, grad_accum=2), OptimConfig(lr=5e-2), torch.device("cpu"), "/tmp/unused")
     adv = torch.tensor([1.0, -1.0] * 4)
-    stats = grpo_update(policy, rt, traj, adv, torch.ones(8, dtype=torch.bool), null,
-                        GRPOLossConfig(clip_range=0.2, beta=0.04), list(range(STEPS)), 2, SCALE, NOISE, 0, 0)
+    update = GRPOUpdate(GRPOAlgorithmConfig(loss={"name": "ppo_clip_kl", "clip_range": 0.2, "beta": 0.04}))
+    stats = update(policy, rt, traj, adv, torch.ones(8, dtype=torch.bool), transitions=list(range(STEPS)),
+                   mini_batch_size=2, seed=0, iteration=0)
     assert len(stats) == 4 and rt.step == 2
     for s in stats[:2]:  # before the first optimizer step
         assert abs(s["ratio_min"] - 1) <= 1e-5 and abs(s["ratio_max"] - 1) <= 1e-5
@@ -121,7 +123,7 @@ if "test_brightness" not in REGISTRY:
 def test_grpo_raises_a_deterministic_reward(tiny_export, tmp_path):
     # 4 prompts x group 8, the same prompts every iteration; measured: 0.690 -> 0.719 in 8 iterations
     cfg = grpo_config(tmp_path, tiny_export, "train.steps=6", "rewards.jpeg_compressibility=0",
-                      "rewards.test_brightness=1.0", "optim.lr=5e-3", "grpo.clip_range=0.05", "grpo.beta=0.0",
+                      "rewards.test_brightness=1.0", "optim.lr=5e-3", "grpo.loss.clip_range=0.05", "grpo.loss.beta=0.0",
                       "rollout.guidance_scale=1.0", "data.limit=4", "rollout.group_size=8",
                       "rollout.batch_size=16", "train.batch_size=16")
     grpo_train(cfg)
@@ -142,10 +144,10 @@ def test_grpo_resume_is_bitwise_identical(tiny_export, tmp_path):
     grpo_train(grpo_config(tmp_path / "a", tiny_export, *args))
     grpo_train(grpo_config(tmp_path / "b", tiny_export, "train.steps=1", *args[1:]))
     grpo_train(grpo_config(tmp_path / "b", tiny_export, *args, "checkpoint.resume=true"))
-    opt_steps = 2  # 16 samples / mini-batch 8 per iteration
     states = []
-    for run in ("a", "b"):
-        dcp_to_torch_save(tmp_path / run / f"grpo/checkpoints/step_{2 * opt_steps}", tmp_path / f"{run}.pt")
+    for run in ("a", "b"):  # checkpoint folders count iterations, like train.steps and checkpoint.every
+        assert sorted(p.name for p in (tmp_path / run / "grpo/checkpoints").glob("step_*")) == ["step_1", "step_2"]
+        dcp_to_torch_save(tmp_path / run / "grpo/checkpoints/step_2", tmp_path / f"{run}.pt")
         states.append(torch.load(tmp_path / f"{run}.pt", weights_only=False))
     a, b = states
     # only the adapter (and buffers) are checkpointed, not the frozen base weights
@@ -154,6 +156,19 @@ def test_grpo_resume_is_bitwise_identical(tiny_export, tmp_path):
     ra = [r["reward_mean"] for r in read_metrics(tmp_path / "a/grpo/metrics.jsonl")]
     rb = [r["reward_mean"] for r in read_metrics(tmp_path / "b/grpo/metrics.jsonl")]
     assert ra == rb and len(ra) == 2
+
+
+def test_resume_with_a_changed_shape_is_refused_naming_the_key(tiny_export, tmp_path):
+    import pytest
+
+    from pretrain.config import ConfigError
+
+    grpo_train(grpo_config(tmp_path, tiny_export, "train.steps=1"))
+    for override, key, before, after in (("rollout.group_size=2", "rollout.group_size", "4", "2"),
+                                         ("policy.lora_rank=2", "policy.lora_rank", "4", "2")):
+        with pytest.raises(ConfigError) as err:
+            grpo_train(grpo_config(tmp_path, tiny_export, "train.steps=2", "checkpoint.resume=true", override))
+        assert str(err.value).startswith(f"{key}: ") and f"written with {before}, this run has {after}" in str(err.value)
 
 
 def test_grpo_runs_on_a_prompt_file(tiny_export, tmp_path):

@@ -11,13 +11,16 @@ import time
 import torch
 
 from posttrain.grpo import train as grpo_train
-from posttrain.grpo_update import GRPOLossConfig, transition_loss
+from posttrain.grpo_update import GRPOAlgorithmConfig, GRPOUpdate, transition_loss
+from posttrain.parts.ppo_clip_kl import PPOClipKL
+from posttrain.perf import PerfConfig
+from rollout.branches import CFGBranches
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.runtime import Runtime
 from pretrain.runtime.metrics import read_metrics
 from rewards.scoring import AsyncScorer
 from tests.conftest import grpo_config
-from tests.integration.test_grpo import NOISE, SCALE, STEPS, _rollout, _setup
+from tests.integration.test_grpo import STEPS, _rollout, _setup
 
 
 def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch, per, rollout_uncond=False):
@@ -31,8 +34,9 @@ def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch, per, roll
     total = 0.0
     for c in range(0, len(ts), per):
         chunk = ts[c:c + per]
-        loss, _ = transition_loss(policy, traj, chunk, adv, mask, null, GRPOLossConfig(clip_range=1e-4, beta=0.04),
-                                  SCALE, NOISE, uncond_model, uncond_in_batch, rollout_uncond)
+        branches = CFGBranches(policy.model, True, uncond_model, uncond_in_batch, rollout_uncond)
+        loss, _ = transition_loss(policy, traj, chunk, adv, mask, loss=PPOClipKL(PPOClipKL.Config(1e-4, 0.04)),
+                                  branches=branches)
         (loss * len(chunk) / len(ts)).backward()
         total += loss.item() * len(chunk) / len(ts)
     grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
@@ -82,9 +86,9 @@ def test_rollout_uncond_is_reused_only_before_the_first_optimizer_step(tiny_expo
     traj = _rollout(model, codec, train, null, meta, n_prompts=3, group=2, batch=4, record_uncond=True)
     flags, real = [], update.transition_loss
 
-    def spy(*args):
-        flags.append(args[-1])
-        return real(*args)
+    def spy(*args, **kwargs):
+        flags.append(kwargs["branches"].reuse_recorded)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(update, "transition_loss", spy)
     adv, mask = torch.linspace(-1, 1, 6), torch.ones(6, dtype=torch.bool)
@@ -93,26 +97,28 @@ def test_rollout_uncond_is_reused_only_before_the_first_optimizer_step(tiny_expo
         rt = Runtime(model, RuntimeConfig(steps=10, grad_accum=accum), OptimConfig(lr=1e-4), torch.device("cpu"),
                      "/tmp/unused")
         buffer = replace(traj)
-        update.grpo_update(policy, rt, buffer, adv, mask, null, GRPOLossConfig(inner_epochs=inner), [0], 2, SCALE,
-                           NOISE, 0, 0)
+        perf = PerfConfig(merge_lora=True)
+        GRPOUpdate(GRPOAlgorithmConfig(inner_epochs=inner), perf)(policy, rt, buffer, adv, mask, transitions=[0],
+                                                                   mini_batch_size=2, seed=0, iteration=0)
         assert flags == want, (accum, inner, flags)
         assert buffer.uncond_velocities is None  # stale after the step: a second pass over it recomputes
         flags.clear()
-        update.grpo_update(policy, rt, buffer, adv, mask, null, GRPOLossConfig(), [0], 2, SCALE, NOISE, 0, 1)
+        GRPOUpdate(GRPOAlgorithmConfig(), perf)(policy, rt, buffer, adv, mask, transitions=[0], mini_batch_size=2,
+                                                 seed=0, iteration=1)
         assert flags == [False] * 3
 
 
 def test_grpo_iteration_records_and_reuses_the_rollout_uncond(tiny_export, tmp_path, monkeypatch):
-    import posttrain.grpo as grpo
+    from rollout.sampler import Sampler
 
-    recorded, real = [], grpo.collect_rollouts
+    recorded, real = [], Sampler.rollout
 
-    def spy(*args, **kwargs):
-        traj = real(*args, **kwargs)
+    def spy(self, *args, **kwargs):
+        traj = real(self, *args, **kwargs)
         recorded.append(traj.uncond_velocities is not None)
         return traj
 
-    monkeypatch.setattr(grpo, "collect_rollouts", spy)
+    monkeypatch.setattr(Sampler, "rollout", spy)
     first = {}
     for reuse in (True, False):  # one iteration: 2 mini-batches, the first before the optimizer step
         run = tmp_path / str(reuse)
@@ -201,3 +207,22 @@ def test_async_scoring_overlaps_the_callers_work():
         assert bound[0] <= scorer.wait_seconds <= bound[1]  # threaded: the last batch is already scored
         # threaded: ~0.8 s (scoring hidden behind the caller's work); synchronous: ~1.6 s
         assert elapsed < 1.2 if workers else elapsed >= 1.6, (workers, elapsed)
+
+
+def test_settings_that_cannot_hold_are_refused_never_rewritten(tiny_export, tmp_path):
+    import pytest
+
+    from posttrain.grpo import GRPORun
+    from posttrain.perf import resolve_perf
+    from pretrain.config import ConfigError
+    from tests.conftest import dpo_config
+
+    with pytest.raises(ConfigError, match=r"^perf\.merge_lora=true cannot be honoured with train\.precision=bf16"):
+        GRPORun(grpo_config(tmp_path, tiny_export, "perf.merge_lora=true", "train.precision=bf16"))
+    assert not (tmp_path / "grpo").exists()  # refused before anything was written
+    auto = PerfConfig()
+    assert auto.merge_lora is None
+    assert (resolve_perf(auto, "fp32", False).merge_lora, resolve_perf(auto, "bf16", False).merge_lora,
+            resolve_perf(auto, "fp32", True).merge_lora) == (True, False, False)
+    with pytest.raises(ConfigError, match=r"perf\.uncond_in_batch: not used by dpo"):
+        dpo_config(tmp_path, tiny_export, "perf.uncond_in_batch=true")

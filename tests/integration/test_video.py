@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from posttrain.grpo import train as grpo_train
-from posttrain.grpo_update import transition_log_prob
 from posttrain.policy import Policy, PolicyConfig
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.export import load_exported
 from pretrain.runtime.metrics import read_metrics
-from rollout.collect import collect_rollouts
-from tests.conftest import ROOT
+from rollout.sampler import log_prob
+from tests.conftest import ROOT, sampler_rollout
 
 STEPS, NOISE, SCALE = 4, 0.7, 2.0
 
@@ -37,8 +36,9 @@ def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(video_expo
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # the policy differs from the reference
-        traj = collect_rollouts(model.eval(), codec, train, [0, 1, 2], 2, 4, null, model.sigmas(STEPS, 3.0), NOISE,
-                                SCALE, codec.latent_shape(16, 16), 0, 0, "cpu", shared_initial_noise=shared_initial_noise)
+        traj = sampler_rollout(model.eval(), codec, train, [0, 1, 2], group=2, batch=4, null=null,
+                               sigmas=model.sigmas(STEPS, 3.0), noise=NOISE, scale=SCALE,
+                               latent_shape=codec.latent_shape(16, 16), shared_initial_noise=shared_initial_noise)
     assert traj.latents.shape == (6, STEPS + 1, 13, 4, 8, 8) and traj.images.shape == (6, 4, 3, 16, 16)
     # groups of 2: a shared start (DanceGRPO) or each sample its own; the SDE noise always differs
     assert torch.equal(traj.latents[0::2, 0], traj.latents[1::2, 0]) == shared_initial_noise
@@ -47,7 +47,7 @@ def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(video_expo
     for t in range(STEPS):  # mini-batches of 3, not the rollout's 4 + 2
         for start in (0, 3):
             mb = traj.select(torch.arange(start, start + 3))
-            new = transition_log_prob(model, mb, t, null, SCALE, NOISE).log_prob
+            new = log_prob(model, mb, t).log_prob
             assert (new - mb.log_probs[:, t]).abs().max().item() <= 1e-5, t
 
 
@@ -87,7 +87,7 @@ def test_video_grpo_raises_a_deterministic_reward(video_export, tmp_path):
 
     cfg = grpo_config(tmp_path, video_export, "data.source=moving_emoji", "data.frames=4", "data.limit=4",
                       "rewards.jpeg_compressibility=0", "rewards={tests.integration.test_video:video_brightness: 1.0}",
-                      "train.steps=8", "optim.lr=5e-3", "grpo.clip_range=0.05", "grpo.beta=0.0",
+                      "train.steps=8", "optim.lr=5e-3", "grpo.loss.clip_range=0.05", "grpo.loss.beta=0.0",
                       "rollout.guidance_scale=1.0", "rollout.group_size=8", "rollout.batch_size=16",
                       "train.batch_size=16")
     grpo_train(cfg)

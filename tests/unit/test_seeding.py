@@ -18,7 +18,7 @@ def test_seed_keys_separate_streams_and_steps():
 
 
 def test_shared_initial_noise_is_one_draw_per_group_and_rank_free():
-    from rollout.sampler import rollout_noise
+    from rollout.noise import rollout_noise
 
     shape = (3, 2, 4, 4)
     own_init, own_steps = rollout_noise(shape, 5, seed=1, step=3, sample_ids=list(range(8)))

@@ -1,0 +1,33 @@
+"""The one stage loop every post-training algorithm runs: setup -> step -> finish.
+
+A stage object (``GRPORun``, ``DPORun``, ...) is set up by its constructor (export, policy, runtime,
+resume) and offers ``cfg`` (a :class:`posttrain.stage_config.StageConfig`), ``step`` (stage steps
+done), ``logger``, ``profiler``, ``train_step() -> metrics`` (one step; advances ``step``),
+``evaluate(step, last) -> metrics`` (held-out numbers and grids due at this step), ``save()`` and
+``finish() -> export folder``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def step_once(stage) -> dict:
+    """One step of ``stage``: train, evaluate what is due, log, checkpoint what is due. Returns the metrics."""
+    cfg = stage.cfg
+    with stage.profiler.step(stage.step + 1):
+        metrics = stage.train_step()
+    step = stage.step
+    last = step == cfg.train.steps
+    metrics.update(stage.evaluate(step, last))
+    stage.logger.log(step, metrics)
+    if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+        stage.save()
+    return metrics
+
+
+def run_stage(stage) -> Path:
+    """Run ``stage`` from where it stands (0, or a resumed step) to ``cfg.train.steps``; returns its export."""
+    while stage.step < stage.cfg.train.steps:
+        step_once(stage)
+    return stage.finish()

@@ -1,0 +1,74 @@
+"""Registries of the post-training algorithms' parts, chosen by name in a config.
+
+A part is a class with a nested ``Config`` dataclass (its options, each documented) and a
+constructor taking that config. It registers itself with ``@ADVANTAGES.register("name")`` (or
+``SELECTIONS`` / ``LOSSES``) in its own file; a config then selects it with
+``{name: <name>, <option>: <value>, ...}``. A new part is a new file (or a class in a user's script,
+imported before the config is loaded): no shared code changes.
+
+Contracts (N samples of one iteration, every tensor float32 unless said otherwise):
+
+- advantage estimator: ``part(total [N], raw {reward: [N]}, weights {reward: w}, group_ids long [N])
+  -> (advantages [N], valid bool [N], zero_spread bool [N])``; NaN rewards are not valid and get 0.
+- sample selection: ``part(advantages, valid, zero_spread, group_ids) -> mask bool [N]``, the samples
+  trained this iteration.
+- policy loss: ``part(new, old_log_prob [k], advantages [k], mask bool [k], ref) -> (loss scalar, stats)``
+  over k rows of transitions, ``new``/``ref`` the recomputed steps (:class:`rollout.sde.SDEStep`) of
+  the policy and of the reference model; ``ref`` is None unless the part's ``needs_reference`` is true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from pretrain.config import load_section
+
+
+@dataclass
+class NoOptions:
+    """A part without options."""
+
+
+class Registry:
+    """Name -> part class for one ``kind`` of part (used in error messages)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.parts: dict[str, type] = {}
+
+    def register(self, name: str) -> Callable[[type], type]:
+        """Class decorator registering the class as ``name``; ``ValueError`` if another class holds it."""
+        def add(cls: type) -> type:
+            if self.parts.get(name, cls) is not cls:
+                raise ValueError(f"{self.kind} '{name}' is already registered ({self.parts[name].__qualname__})")
+            self.parts[name] = cls
+            return cls
+        return add
+
+    def unregister(self, name: str) -> None:
+        self.parts.pop(name, None)
+
+    def build(self, spec: dict[str, Any], key: str):
+        """The part ``spec["name"]`` built with the rest of ``spec`` as its ``Config``. ``ValueError``
+        naming ``key.name`` (unknown name, listing the known ones) or ``key.<option>`` (bad option)."""
+        import posttrain.parts  # noqa: F401  (the built-in parts register on import)
+
+        name = spec.get("name")
+        if name not in self.parts:
+            raise ValueError(f"{key}.name: unknown {self.kind} '{name}'; known: {sorted(self.parts)}")
+        cls = self.parts[name]
+        schema = getattr(cls, "Config", NoOptions)
+        options = {k: v for k, v in spec.items() if k != "name"}
+        known = [f.name for f in fields(schema)]
+        for option in options:
+            if option not in known:
+                raise ValueError(f"{key}.{option}: not an option of {self.kind} '{name}' (its options: "
+                                 f"{', '.join(known) or 'none'}); when switching {key}.name, drop the previous "
+                                 f"part's options")
+        return cls(load_section(schema, options, key))
+
+
+ADVANTAGES = Registry("advantage estimator")
+SELECTIONS = Registry("sample selection")
+LOSSES = Registry("policy loss")

@@ -1,0 +1,55 @@
+"""The ``rollout:`` block: what the sampler draws with, and how many samples an iteration draws."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretrain.config import require_positive
+
+
+@dataclass
+class RolloutConfig:
+    """Sampler settings, recorded on every Trajectory and read back when log-probs are recomputed:
+
+    - ``step``: the step type (:mod:`rollout.steps`; ``sde`` = Flow-GRPO's SDE, Liu et al. 2025,
+      arXiv 2505.05470, eq. 9-10);
+    - ``num_inference_steps`` (Flow-GRPO trains with 10) and ``shift`` of the sigma schedule (None =
+      the export's sampling shift);
+    - ``noise_level`` (0.7; 0 would be the ODE: no log-prob, nothing to train);
+    - ``guidance_scale`` (CFG) and ``negative_prompt`` (the unconditional branch's prompt; "" = the
+      empty prompt);
+    - ``shared_initial_noise``: every sample of a prompt group starts from the same initial noise
+      (DanceGRPO, Xue et al. 2025, arXiv 2505.07818), so rewards within a group differ only through
+      the SDE noise the log-probs credit;
+    - which transitions are trained: ``timestep_fraction`` of them, ``timestep_selection`` "first"
+      (Flow-GRPO: 0.99 of 10 trains 9) or "random" (one random subset per iteration, DanceGRPO).
+
+    Batch: ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a time."""
+
+    step: str = "sde"
+    num_inference_steps: int = 10
+    noise_level: float = 0.7
+    guidance_scale: float = 4.0
+    negative_prompt: str = ""
+    shift: float | None = None
+    prompts_per_step: int = 8
+    group_size: int = 8
+    batch_size: int = 32
+    timestep_fraction: float = 0.99
+    timestep_selection: str = "first"
+    shared_initial_noise: bool = False
+
+    def validate(self, prefix: str = "") -> None:
+        from rollout.steps import get_step
+
+        get_step(self.step, f"{prefix}step")
+        require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
+        if self.group_size < 2:
+            raise ValueError(f"{prefix}group_size: must be >= 2 (group advantages of one sample are 0)")
+        if self.noise_level <= 0:
+            raise ValueError(f"{prefix}noise_level: must be > 0 (0 is the deterministic ODE: no log-prob, "
+                             f"nothing to train)")
+        if not 0.0 < self.timestep_fraction <= 1.0:
+            raise ValueError(f"{prefix}timestep_fraction: must be in (0, 1], got {self.timestep_fraction}")
+        if self.timestep_selection not in ("first", "random"):
+            raise ValueError(f"{prefix}timestep_selection: '{self.timestep_selection}' is not one of first, random")

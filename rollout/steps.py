@@ -1,0 +1,30 @@
+"""Registry of rollout step types: how one transition x_t -> x_next is drawn and scored.
+
+A step type is a function ``step(x, velocity, sigma, sigma_next, *, noise_level, sigma_after_one,
+noise=None, prev_sample=None) -> SDEStep`` (see :func:`rollout.sde.sde_step` for the contract: float32
+math, ``log_prob`` float32 ``[B]``). The sampler records the step type's name on every Trajectory and
+the recomputation looks it up here, so sampling and training always use the same step. New step
+types (``cps``, ``ddim``, ``ode``) register with :func:`register_step` from their own file.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rollout.sde import sde_step
+
+STEPS: dict[str, Callable] = {"sde": sde_step}
+
+
+def register_step(name: str, fn: Callable) -> None:
+    """Add step type ``name`` (``ValueError`` if the name is taken by another function)."""
+    if STEPS.get(name, fn) is not fn:
+        raise ValueError(f"rollout step '{name}' is already registered")
+    STEPS[name] = fn
+
+
+def get_step(name: str, key: str = "rollout.step") -> Callable:
+    """The step function registered as ``name``; ``ValueError`` naming ``key`` and the known names."""
+    if name not in STEPS:
+        raise ValueError(f"{key}: unknown step type '{name}'; known: {sorted(STEPS)}")
+    return STEPS[name]
