@@ -31,7 +31,7 @@ STAGES: dict[str, Callable[[], tuple[type, Callable]]] = {"pretrain": _pretrain,
 
 
 def get_stage(command: str) -> tuple[type, Callable]:
-    """(Config class, train function) for ``command``; ``KeyError`` naming the known stages."""
+    """(Config class, train function) for ``command``; ``ValueError`` naming the known stages."""
     if command not in STAGES:
         raise ValueError(f"unknown stage '{command}'; known: {sorted(STAGES)}")
     return STAGES[command]()
