@@ -139,7 +139,7 @@ class DPOConfig(StageConfig):
                                      f"from the model at round boundaries, which is what a resume reproduces)")
 
 
-def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, seed: int, step: int,
+def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int, step: int,
                 offset: int, device, stream: str = "train", reference=None):
     """Per-pair errors (e_w, e_l) ``[P]`` of ``model`` (and of ``reference`` when given). Pair i's
     (noise, sigma, prompt dropout) is keyed by (seed, stream, step, offset + i) and shared by its
@@ -159,26 +159,28 @@ def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEm
     return out
 
 
-def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, seed: int, step: int,
+def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int, step: int,
               offset: int, device):
     """DPO loss of one micro-batch of pairs (see :func:`pair_errors`). Returns (float32 loss, stats)."""
-    (ew, el), = pair_errors(policy.model, codec, pairs, cfg, null, seed, step, offset, device)
+    draw = dict(seed=seed, step=step, offset=offset, device=device)
+    (ew, el), = pair_errors(policy.model, codec, pairs, cfg, null, **draw)
     with torch.no_grad(), policy.reference() as ref:
-        (rw, rl), = pair_errors(ref, codec, pairs, cfg, null, seed, step, offset, device)
+        (rw, rl), = pair_errors(ref, codec, pairs, cfg, null, **draw)
     return diffusion_dpo_loss(ew, el, rw, rl, cfg.beta, cfg.loss_type, pairs.pref.to(device))
 
 
 @torch.no_grad()
-def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, seed: int,
+def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int,
                       device, batch: int = 64) -> float:
     """Share of non-tie ``pairs`` whose inside term is > 0 (== 0 counts 0.5), with a fixed (noise,
     sigma) per pair (stream "eval"), so the number is comparable across steps."""
     hits, count = 0.0, 0
     for s in range(0, len(pairs), batch):
         sub = pairs.select(list(range(s, min(len(pairs), s + batch))))
-        (ew, el), = pair_errors(policy.model, codec, sub, cfg, null, seed, 0, s, device, "eval")
+        draw = dict(seed=seed, step=0, offset=s, device=device, stream="eval")
+        (ew, el), = pair_errors(policy.model, codec, sub, cfg, null, **draw)
         with policy.reference() as ref:
-            (rw, rl), = pair_errors(ref, codec, sub, cfg, null, seed, 0, s, device, "eval")
+            (rw, rl), = pair_errors(ref, codec, sub, cfg, null, **draw)
         inside = dpo_inside_term(ew, el, rw, rl, cfg.beta)
         strict = sub.pref.to(device) != 0.5
         hits += float(((inside > 0).float() + 0.5 * (inside == 0).float())[strict].sum())
@@ -186,7 +188,7 @@ def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig,
     return hits / count if count else 0.5
 
 
-def dpo_step(policy: Policy, rt: Runtime, codec, pairs: PairSet, sampler: EpochSampler, cfg: DPOConfig,
+def dpo_step(policy: Policy, rt: Runtime, codec, pairs: PairSet, sampler: EpochSampler, *, cfg: DPOConfig,
              null: PromptEmbeds, step: int, device, ranks: StageRanks | None = None) -> dict:
     """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` pairs;
     every rank draws the same pair indices and trains its ``ranks.share``. ``loss`` and the pair stats
@@ -198,7 +200,7 @@ def dpo_step(policy: Policy, rt: Runtime, codec, pairs: PairSet, sampler: EpochS
     for micro in range(accum):
         with rt.autocast():
             loss, stats = pair_loss(policy, codec, pairs.select(sampler.next(b)[lo:hi]), cfg.dpo, null,
-                                    cfg.train.seed, step, micro * b + lo, device)
+                                    seed=cfg.train.seed, step=step, offset=micro * b + lo, device=device)
         rt.backward(loss)
         loss_sum += loss.item() / accum
         for k, v in stats.items():
@@ -272,7 +274,7 @@ class DPORun:
             return {}
         st = self.st
         return {"heldout_implicit_acc": implicit_accuracy(st.policy, st.codec, self.held_pairs, self.cfg.dpo, st.null,
-                                                          self.seed, st.device)}
+                                                          seed=self.seed, device=st.device)}
 
     def resample(self, step: int) -> dict:
         """A new round of online pairs from the current policy (every ``online.resample_every`` steps)."""
@@ -280,9 +282,9 @@ class DPORun:
         st.model.eval()
         with self.rt.autocast():
             fresh, metrics = online_pairs(st.model, st.codec, st.train_set, self.prompts.next(on.prompts_per_round),
-                                          on.samples_per_prompt, self.rewards, st.null, on.num_inference_steps,
-                                          on.guidance_scale, st.meta["sampling"]["shift"], on.margin, self.seed,
-                                          step // on.resample_every, st.device)
+                                          online=on, reward_fn=self.rewards, null=st.null,
+                                          shift=st.meta["sampling"]["shift"], seed=self.seed,
+                                          round_=step // on.resample_every, device=st.device)
         if fresh is not None:
             self.pairs = fresh
             self.pair_sampler = EpochSampler(len(fresh), self.seed + step)
@@ -297,8 +299,8 @@ class DPORun:
         cfg, st, step, metrics = self.cfg, self.st, self.rt.step, {}
         if cfg.source == "online" and (self.pairs is None or step % cfg.online.resample_every == 0):
             metrics = self.resample(step)
-        metrics.update(dpo_step(st.policy, self.rt, st.codec, self.pairs, self.pair_sampler, cfg, st.null, step,
-                                st.device, self.ranks))
+        metrics.update(dpo_step(st.policy, self.rt, st.codec, self.pairs, self.pair_sampler, cfg=cfg, null=st.null,
+                                step=step, device=st.device, ranks=self.ranks))
         return metrics
 
     def evaluate(self, step: int, last: bool) -> dict:

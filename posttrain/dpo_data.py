@@ -124,22 +124,23 @@ def load_preference_pairs(path: str | Path, size: int, ties: str = "drop", limit
 
 
 @torch.no_grad()
-def online_pairs(model, codec, prompts, prompt_idx: list[int], samples_per_prompt: int, reward_fn, null: PromptEmbeds,
-                 num_inference_steps: int, guidance_scale: float, shift: float, margin: float, seed: int,
-                 round_: int, device, batch_size: int = 64) -> tuple[PairSet | None, dict]:
-    """Sample ``samples_per_prompt`` images per prompt with the current model (ODE, seeds keyed by
-    (seed, "rollout", round, global index)), score them with ``reward_fn(images, prompts) -> (total, raw)``
-    and pair each prompt's best against its worst when their gap exceeds ``margin``. Returns the pairs
-    (None if none qualify) and stats (reward mean/std, pairs kept)."""
-    k = samples_per_prompt
+def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward_fn, null: PromptEmbeds, shift: float,
+                 seed: int, round_: int, device, batch_size: int = 64) -> tuple[PairSet | None, dict]:
+    """Sample ``online.samples_per_prompt`` images per prompt with the current model (ODE with
+    ``online.num_inference_steps`` and ``online.guidance_scale``, seeds keyed by (seed, "rollout", round,
+    global index)), score them with ``reward_fn(images, prompts) -> (total, raw)`` and pair each prompt's
+    best against its worst when their gap exceeds ``online.margin`` (``online``: the ``online:`` block,
+    :class:`posttrain.dpo.OnlineConfig`). Returns the pairs (None if none qualify) and stats (reward
+    mean/std, pairs kept)."""
+    k, margin = online.samples_per_prompt, online.margin
     n = len(prompt_idx) * k
     noise = initial_noise(n, codec.latent_shape(*prompts.images.shape[-2:]), seed, step=round_, stream="rollout", device=device)
     rows = [prompt_idx[i // k] for i in range(n)]
     images = []
     for s in range(0, n, batch_size):
         _, embeds, _ = prompts.batch(rows[s:s + batch_size])
-        lat = sample_latents(model, embeds.to(device), null, noise[s:s + batch_size], num_inference_steps,
-                             guidance_scale, shift)
+        lat = sample_latents(model, embeds.to(device), null, noise[s:s + batch_size], online.num_inference_steps,
+                             online.guidance_scale, shift)
         images.append(codec.decode(lat).cpu())
     images = torch.cat(images)
     _, _, captions = prompts.batch(rows)

@@ -123,7 +123,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         results["grids"].append(str(save_grid(images[:grid_n], prompts[:grid_n], out_dir / f"grid_model{m_i}.png")))
         guard = float("nan")
         if cfg.guard_samples:
-            guard = heldout_loss(model, codec, held, null, FlowConfig(), cfg.seed, cfg.guard_samples, device)
+            guard = heldout_loss(model, codec, held, null, FlowConfig(), seed=cfg.seed,
+                                 num_samples=cfg.guard_samples, device=device)
         results["guard"].append(guard)
     results["prompts"] = prompts
     results["table"] = report_table(results)

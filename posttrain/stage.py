@@ -62,9 +62,9 @@ class PolicyStage:
 
     def grid(self, model, eval_cfg, seed: int, shift: float, name: str) -> Path:
         """Held-out grid (``eval_cfg.grid_prompts``, ODE steps and guidance) into ``samples/name``."""
-        return write_grid(model, self.codec, self.held, self.null, eval_cfg.grid_prompts, seed,
-                          eval_cfg.num_inference_steps, eval_cfg.guidance_scale, shift, self.device,
-                          self.run / "samples" / name)
+        return write_grid(model, self.codec, self.held, self.null, num_prompts=eval_cfg.grid_prompts, seed=seed,
+                          num_inference_steps=eval_cfg.num_inference_steps, guidance_scale=eval_cfg.guidance_scale,
+                          shift=shift, device=self.device, path=self.run / "samples" / name)
 
     def finish(self, final: torch.nn.Module) -> Path:
         """Write ``lora/`` (adapter) and ``export/`` (LoRA merged) from ``final``; returns the export.

@@ -13,7 +13,7 @@ from pretrain.sampling import initial_noise, sample_latents, save_grid
 
 
 @torch.no_grad()
-def heldout_loss(model, codec, data: EncodedSet, null, flow: FlowConfig, seed: int, num_samples: int, device,
+def heldout_loss(model, codec, data: EncodedSet, null, flow: FlowConfig, *, seed: int, num_samples: int, device,
                  batch: int = 64) -> float:
     """Mean flow-matching loss over the first ``num_samples`` held-out samples with fixed draws
     (stream "eval", step 0), so values are comparable across steps, runs and models (also the guard
@@ -36,7 +36,7 @@ def spread_indices(n_items: int, n: int) -> list[int]:
 
 
 @torch.no_grad()
-def write_grid(model, codec, data: EncodedSet, null, num_prompts: int, seed: int, num_inference_steps: int,
+def write_grid(model, codec, data: EncodedSet, null, *, num_prompts: int, seed: int, num_inference_steps: int,
                guidance_scale: float, shift: float, device, path: Path) -> Path:
     """ODE-sample ``num_prompts`` prompts evenly spaced over ``data`` (sorted by code point, so flags
     and faces both appear) with fixed per-prompt seeds; write a labelled PNG grid."""

@@ -95,7 +95,7 @@ def batch_arithmetic(cfg: RuntimeConfig, n_train: int, dp: int = 1) -> str:
             f"{cfg.steps} steps = {cfg.steps * per_step / n_train:.2f} epochs")
 
 
-def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, null, cfg: PretrainConfig, device,
+def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, cfg: PretrainConfig, device,
                ranks: JobRanks | None = None) -> dict:
     """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` samples;
     every rank draws the same indices and trains its ``ranks.share`` of each, with per-sample noise keyed
@@ -159,12 +159,13 @@ def train(cfg: PretrainConfig) -> Path:
     logger.write(batch_arithmetic(cfg.train, len(train_set), ranks.dp_size) + f"; ranks: {ranks.layout()}")
 
     def guard(m) -> float:
-        return heldout_loss(m, codec, held, null, cfg.flow, cfg.train.seed, cfg.eval.heldout_samples, device)
+        return heldout_loss(m, codec, held, null, cfg.flow, seed=cfg.train.seed, num_samples=cfg.eval.heldout_samples,
+                            device=device)
 
     if rt.step == 0:
         logger.log(0, {"heldout_loss": guard(model)}, advance=False)
     while rt.step < cfg.train.steps:
-        metrics = train_step(model, rt, train_set, sampler, codec, null, cfg, device, ranks)
+        metrics = train_step(model, rt, train_set, sampler, codec, null=null, cfg=cfg, device=device, ranks=ranks)
         if metrics["nonfinite"]:
             logger.write(f"step {rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "
                          f"({metrics['nonfinite_total']} so far)")
@@ -176,8 +177,9 @@ def train(cfg: PretrainConfig) -> Path:
         if cfg.eval.grid_every and (rt.step % cfg.eval.grid_every == 0 or done):
             e = cfg.eval
             grid = ranks.write_on_main(lambda root: write_grid(
-                sampling, codec, held, null, e.grid_prompts, cfg.train.seed, e.num_inference_steps, e.guidance_scale,
-                e.shift, device, root / "samples" / f"heldout_step_{rt.step:06d}.png"), run)
+                sampling, codec, held, null, num_prompts=e.grid_prompts, seed=cfg.train.seed,
+                num_inference_steps=e.num_inference_steps, guidance_scale=e.guidance_scale, shift=e.shift,
+                device=device, path=root / "samples" / f"heldout_step_{rt.step:06d}.png"), run)
             logger.log_media(rt.step, grid)
         if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
             rt.save()

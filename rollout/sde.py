@@ -55,7 +55,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return torch.where(std > 0, lp.flatten(1).mean(1), torch.zeros_like(std))
 
 
-def sde_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+def sde_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, *,
              noise_level: float, sigma_after_one: torch.Tensor | float,
              noise: torch.Tensor | None = None, prev_sample: torch.Tensor | None = None) -> SDEStep:
     """One SDE transition from ``sigma`` to ``sigma_next`` (scalars or ``[B]``).

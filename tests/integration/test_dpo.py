@@ -138,9 +138,10 @@ def test_winner_equal_to_loser_gives_zero_inside_term(tiny_export, tmp_path):
     pairs = PairSet(imgs, imgs.clone(), caps, encoder.encode(caps), torch.ones(4))
     null = encoder.encode([""])
     with torch.no_grad():
-        (ew, el), = pair_errors(model, codec, pairs, DPOLossConfig(), null, 0, 3, 0, "cpu")
+        draw = dict(seed=0, step=3, offset=0, device="cpu")
+        (ew, el), = pair_errors(model, codec, pairs, DPOLossConfig(), null, **draw)
         with policy.reference() as ref:
-            (rw, rl), = pair_errors(ref, codec, pairs, DPOLossConfig(), null, 0, 3, 0, "cpu")
+            (rw, rl), = pair_errors(ref, codec, pairs, DPOLossConfig(), null, **draw)
     assert not torch.equal(ew, rw)  # the policy differs from the reference
     assert torch.equal(dpo_inside_term(ew, el, rw, rl, 750.0), torch.zeros(4))
 

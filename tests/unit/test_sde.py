@@ -42,8 +42,8 @@ def test_step_at_sigma_one_is_finite_and_uses_next_sigma():
 
 def test_log_prob_recomputed_from_prev_sample_matches():
     x, v, z = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2)
-    a = sde_step(x, v, 0.5, 0.4, 0.7, 0.9, noise=z)
-    b = sde_step(x, v, 0.5, 0.4, 0.7, 0.9, prev_sample=a.prev_sample)
+    a = sde_step(x, v, 0.5, 0.4, noise_level=0.7, sigma_after_one=0.9, noise=z)
+    b = sde_step(x, v, 0.5, 0.4, noise_level=0.7, sigma_after_one=0.9, prev_sample=a.prev_sample)
     assert torch.equal(a.log_prob, b.log_prob)
     # per-element mean of a standard Gaussian log-density at the sampled z
     expected = (-(z**2) / 2 - torch.log(a.step_std.view(-1, 1, 1, 1)) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
@@ -73,7 +73,8 @@ def test_sde_keeps_the_ode_marginals_on_1d_gaussian_data():
     x = torch.randn(n, 1, generator=g, dtype=torch.float64).float()
     for i in range(40):
         z = torch.randn(n, 1, generator=g)
-        x = sde_step(x, velocity(x, sig[i].item()), sig[i], sig[i + 1], 0.7, sig[1], noise=z).prev_sample
+        x = sde_step(x, velocity(x, sig[i].item()), sig[i], sig[i + 1], noise_level=0.7,
+                     sigma_after_one=sig[1], noise=z).prev_sample
     se_mean = s / math.sqrt(n)
     assert abs(x.mean().item() - m) < 4 * se_mean + 0.01  # + discretisation error of 40 steps
     assert abs(x.var().item() - s**2) < 0.03 * s**2 + 0.01
