@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
 
-from posttrain.loop import step_once  # noqa: E402
+from pretrain.runtime.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from rewards.jpeg import jpeg_size_kb  # noqa: E402
 

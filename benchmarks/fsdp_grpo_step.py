@@ -36,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     from benchmarks.gpu_check import make_encoder, make_shapes
     from posttrain.grpo import GRPOConfig, GRPORun
-    from posttrain.loop import step_once
+    from pretrain.runtime.loop import step_once
     from pretrain.runtime.profiling import peak_rss_mb
     from pretrain.config import load_config
     from pretrain.trainer import PretrainConfig, train

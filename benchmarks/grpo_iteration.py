@@ -30,7 +30,7 @@ from benchmarks.bench_assets import build_assets  # noqa: E402
 from benchmarks.kernel_rates import (CPU_ATTENTION_FORMULAS, attention_gflops, is_attention,  # noqa: E402
                                      kernel_floor_seconds, matmul_gflops, model_shape_gflops)
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
-from posttrain.loop import step_once  # noqa: E402
+from pretrain.runtime.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.runtime.profiling import peak_rss_mb  # noqa: E402
 

@@ -25,7 +25,7 @@ from pretrain.config import require_positive
 from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
 from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
-from posttrain.loop import run_stage
+from pretrain.runtime.loop import run_stage
 from posttrain.perf import PerfConfig, compile_blocks
 from posttrain.policy import Policy
 from posttrain.stage import PolicyStage, StageRanks
@@ -229,7 +229,7 @@ def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet 
 
 class DPORun:
     """One Diffusion-DPO run, set up from ``cfg`` (export, policy, pairs or rewards, runtime, resume): a
-    stage of :mod:`posttrain.loop`; :meth:`train_step` is one optimizer step (re-sampling online pairs
+    stage of :mod:`pretrain.runtime.loop`; :meth:`train_step` is one optimizer step (re-sampling online pairs
     at round boundaries)."""
 
     def __init__(self, cfg: DPOConfig):

@@ -15,7 +15,7 @@ import torch
 
 from posttrain.distributed_grpo import RankLayout
 from posttrain.grpo_update import GRPOAlgorithmConfig, GRPOUpdate
-from posttrain.loop import run_stage
+from pretrain.runtime.loop import run_stage
 from posttrain.perf import compile_blocks, records_uncond, resolve_perf
 from posttrain.stage import PolicyStage
 from posttrain.stage_config import StageConfig
@@ -101,9 +101,9 @@ def reward_stats(total: torch.Tensor, raw: dict[str, torch.Tensor]) -> dict:
 
 class GRPORun:
     """One GRPO run, set up from ``cfg`` (export, data, policy, sampler, parts, runtime, resume): a stage
-    of :mod:`posttrain.loop`. :meth:`train_step` is one rollout -> reward -> advantage -> update
+    of :mod:`pretrain.runtime.loop`. :meth:`train_step` is one rollout -> reward -> advantage -> update
     iteration; :meth:`finish` writes the grid and the exports. Benchmarks drive steps with
-    :func:`posttrain.loop.step_once`."""
+    :func:`pretrain.runtime.loop.step_once`."""
 
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg

@@ -18,7 +18,9 @@ from pretrain.objective import FlowConfig, draw_training_noise, pretrain_loss
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.job import JobRanks
 from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
+from pretrain.runtime.loop import run_stage
 from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.profiling import ProfileConfig, StepProfiler
 from pretrain.runtime.runtime import Runtime, resolve_device
 from pretrain.seeding import seed_for
 from pretrain.evaluation import heldout_loss, write_grid
@@ -46,7 +48,9 @@ class PretrainEvalConfig:
 class PretrainConfig:
     """Everything `posttrain pretrain` reads; outputs go to ``<run_dir>/pretrain/``. ``train.batch_size``
     is the global micro-batch: under ``torchrun`` each data-parallel rank takes its contiguous share
-    (``batch_size / dp``) of every micro-batch; ``parallel``: degrees and FSDP2 options."""
+    (``batch_size / dp``) of every micro-batch; ``parallel``: degrees and FSDP2 options. A step is one
+    optimizer step (``train.steps``, ``checkpoint.every``, ``eval.every``, the metrics ``step`` and the
+    checkpoint folders count them); ``profile.steps``: steps to trace (``<run>/pretrain/profile/``)."""
 
     run_dir: str = "runs/pretrain"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -60,6 +64,7 @@ class PretrainConfig:
     eval: PretrainEvalConfig = field(default_factory=PretrainEvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self, prefix: str = "") -> None:
         if self.data.size < 1:
@@ -122,74 +127,99 @@ def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, 
     return metrics
 
 
-def train(cfg: PretrainConfig) -> Path:
-    """Run pretraining; returns the export folder. Resumes when ``checkpoint.resume`` is set. Under
-    ``torchrun`` one job over the ranks (FSDP2; rank 0 logs and writes grids and the export); raises
-    ``ConfigError`` for EMA on several ranks or a ``train.batch_size`` the data-parallel degree does not divide."""
-    ranks = JobRanks.start_job(cfg.parallel)  # a no-op in one process
-    ranks.refuse_ema(cfg.train.ema_decay)
-    ranks.require_divisible("train.batch_size", cfg.train.batch_size,
-                            "the global micro-batch; each rank trains its contiguous share")
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = ranks.device if ranks.distributed else resolve_device(cfg.train.device)
-    run = Path(cfg.run_dir) / "pretrain"
-    run.mkdir(parents=True, exist_ok=True)
-    if ranks.is_main:
-        save_config(cfg, run / "config.yaml")
-    encoder = text_encoder_from_config(cfg.text_encoder)
-    train_set, held = build_datasets(cfg.data, encoder)
-    null = encoder.encode([""]).to(device)
-    codec = build_codec(cfg.codec, device=str(device))
-    size = cfg.data.size // codec.downsample
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed_for(cfg.train.seed, "init"))  # weights depend on the seed only
-        model = build_backbone(cfg.model, size, codec.channels, encoder.dim, encoder.pooled_dim).to(device)
-    n_params = count_parameters(model)
-    ranks.shard(model, None, cfg.parallel)
-    sampler = EpochSampler(len(train_set), cfg.train.seed)
-    rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
-                 stateful={"sampler": sampler})
-    resumed = rt.start(cfg.checkpoint.resume)
-    logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "heldout_loss"),
-                           enabled=ranks.is_main)
-    logger.write(f"model: {n_params / 1e6:.2f} M params; data: {len(train_set)} train / "
-                 f"{len(held)} held-out; device {device}; precision {cfg.train.precision}"
-                 + (f"; resumed from {resumed}" if resumed else ""))
-    logger.write(batch_arithmetic(cfg.train, len(train_set), ranks.dp_size) + f"; ranks: {ranks.layout()}")
+class PretrainRun:
+    """One pretraining run, set up from ``cfg`` (data, encoder, codec, seeded model, runtime, resume): a
+    stage of :mod:`pretrain.runtime.loop`; a step is one optimizer step. Under ``torchrun`` one job over
+    the ranks (FSDP2; rank 0 logs and writes grids and the export); raises ``ConfigError`` for EMA on
+    several ranks or a ``train.batch_size`` the data-parallel degree does not divide."""
 
-    def guard(m) -> float:
-        return heldout_loss(m, codec, held, null, cfg.flow, seed=cfg.train.seed, num_samples=cfg.eval.heldout_samples,
-                            device=device)
+    def __init__(self, cfg: PretrainConfig):
+        self.cfg = cfg
+        self.ranks = ranks = JobRanks.start_job(cfg.parallel)  # a no-op in one process
+        ranks.refuse_ema(cfg.train.ema_decay)
+        ranks.require_divisible("train.batch_size", cfg.train.batch_size,
+                                "the global micro-batch; each rank trains its contiguous share")
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.device = device = ranks.device if ranks.distributed else resolve_device(cfg.train.device)
+        self.run = run = Path(cfg.run_dir) / "pretrain"
+        run.mkdir(parents=True, exist_ok=True)
+        if ranks.is_main:
+            save_config(cfg, run / "config.yaml")
+        encoder = text_encoder_from_config(cfg.text_encoder)
+        self.train_set, self.held = build_datasets(cfg.data, encoder)
+        self.null = encoder.encode([""]).to(device)
+        self.codec = build_codec(cfg.codec, device=str(device))
+        size = cfg.data.size // self.codec.downsample
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed_for(cfg.train.seed, "init"))  # weights depend on the seed only
+            self.model = model = build_backbone(cfg.model, size, self.codec.channels, encoder.dim,
+                                                encoder.pooled_dim).to(device)
+        n_params = count_parameters(model)
+        ranks.shard(model, None, cfg.parallel)
+        self.sampler = EpochSampler(len(self.train_set), cfg.train.seed)
+        self.rt = rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
+                               stateful={"sampler": self.sampler})
+        resumed = rt.start(cfg.checkpoint.resume)
+        self.profiler = StepProfiler(cfg.profile, run / "profile")
+        self.logger = logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg),
+                                             ("loss", "heldout_loss"), enabled=ranks.is_main)
+        logger.write(f"model: {n_params / 1e6:.2f} M params; data: {len(self.train_set)} train / "
+                     f"{len(self.held)} held-out; device {device}; precision {cfg.train.precision}"
+                     + (f"; resumed from {resumed}" if resumed else ""))
+        logger.write(batch_arithmetic(cfg.train, len(self.train_set), ranks.dp_size) + f"; ranks: {ranks.layout()}")
+        if rt.step == 0:
+            logger.log(0, {"heldout_loss": self.guard(model)}, advance=False)
 
-    if rt.step == 0:
-        logger.log(0, {"heldout_loss": guard(model)}, advance=False)
-    while rt.step < cfg.train.steps:
-        metrics = train_step(model, rt, train_set, sampler, codec, null=null, cfg=cfg, device=device, ranks=ranks)
+    @property
+    def step(self) -> int:
+        return self.rt.step
+
+    def guard(self, model) -> float:
+        """The held-out flow-matching loss on fixed draws."""
+        cfg = self.cfg
+        return heldout_loss(model, self.codec, self.held, self.null, cfg.flow, seed=cfg.train.seed,
+                            num_samples=cfg.eval.heldout_samples, device=self.device)
+
+    def train_step(self) -> dict:
+        metrics = train_step(self.model, self.rt, self.train_set, self.sampler, self.codec, null=self.null,
+                             cfg=self.cfg, device=self.device, ranks=self.ranks)
         if metrics["nonfinite"]:
-            logger.write(f"step {rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "
-                         f"({metrics['nonfinite_total']} so far)")
-        done = rt.step == cfg.train.steps
-        sampling = rt.sampling_model().eval()
-        if cfg.eval.every and (rt.step % cfg.eval.every == 0 or done):
-            metrics["heldout_loss"] = guard(sampling)
-        logger.log(rt.step, metrics)
-        if cfg.eval.grid_every and (rt.step % cfg.eval.grid_every == 0 or done):
-            e = cfg.eval
-            grid = ranks.write_on_main(lambda root: write_grid(
-                sampling, codec, held, null, num_prompts=e.grid_prompts, seed=cfg.train.seed,
+            self.logger.write(f"step {self.rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "
+                              f"({metrics['nonfinite_total']} so far)")
+        return metrics
+
+    def evaluate(self, step: int, last: bool) -> dict:
+        """The held-out loss every ``eval.every`` steps and a grid every ``eval.grid_every`` steps (and at the end)."""
+        e, out = self.cfg.eval, {}
+        sampling = self.rt.sampling_model().eval()
+        if e.every and (step % e.every == 0 or last):
+            out["heldout_loss"] = self.guard(sampling)
+        if e.grid_every and (step % e.grid_every == 0 or last):
+            grid = self.ranks.write_on_main(lambda root: write_grid(
+                sampling, self.codec, self.held, self.null, num_prompts=e.grid_prompts, seed=self.cfg.train.seed,
                 num_inference_steps=e.num_inference_steps, guidance_scale=e.guidance_scale, shift=e.shift,
-                device=device, path=root / "samples" / f"heldout_step_{rt.step:06d}.png"), run)
-            logger.log_media(rt.step, grid)
-        if done or (cfg.checkpoint.every and rt.step % cfg.checkpoint.every == 0):
-            rt.save()
-    sampling = rt.sampling_model().eval()
-    sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps, "guidance_scale": cfg.eval.guidance_scale,
-                     "shift": cfg.eval.shift}
-    out = ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", cfg.text_encoder, cfg.codec,
-                                                      cfg.data.size, sampling_meta, cfg.model.arch,
-                                                      asdict(cfg.data)),
-                               sampling, run / "export")
-    logger.write(f"exported {out}")
-    logger.close()
-    return out
+                device=self.device, path=root / "samples" / f"heldout_step_{step:06d}.png"), self.run)
+            self.logger.log_media(step, grid)
+        return out
+
+    def save(self) -> Path:
+        return self.rt.save()
+
+    def finish(self) -> Path:
+        cfg, run = self.cfg, self.run
+        sampling = self.rt.sampling_model().eval()
+        sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps,
+                         "guidance_scale": cfg.eval.guidance_scale, "shift": cfg.eval.shift}
+        out = self.ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", cfg.text_encoder,
+                                                               cfg.codec, cfg.data.size, sampling_meta, cfg.model.arch,
+                                                               asdict(cfg.data)),
+                                        sampling, run / "export")
+        self.logger.write(f"exported {out}")
+        self.logger.close()
+        return out
+
+
+def train(cfg: PretrainConfig) -> Path:
+    """Run pretraining (resuming when ``checkpoint.resume`` is set); returns the export folder."""
+    return run_stage(PretrainRun(cfg))

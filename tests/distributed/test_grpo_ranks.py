@@ -31,7 +31,7 @@ def brightness(images, prompts=None, metadata=None):
 
 def _grpo(rank, world, export, run_dir, overrides=()):
     import posttrain.grpo as grpo
-    from posttrain.loop import step_once
+    from pretrain.runtime.loop import step_once
 
     cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4", *overrides)
     cfg.rewards = {REWARD: 1.0}
@@ -162,7 +162,7 @@ def brightness_some_nan(images, prompts=None, metadata=None):
 
 def _grpo_nan(rank, world, export, run_dir):
     import posttrain.grpo as grpo
-    from posttrain.loop import step_once
+    from pretrain.runtime.loop import step_once
 
     cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4")
     cfg.rewards = {"tests.distributed.test_grpo_ranks:brightness_some_nan": 1.0}

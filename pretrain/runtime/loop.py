@@ -1,10 +1,11 @@
-"""The one stage loop every post-training algorithm runs: setup -> step -> finish.
+"""The one stage loop every trainer runs (pretraining, GRPO, DPO and the algorithms that follow):
+setup -> step -> finish.
 
-A stage object (``GRPORun``, ``DPORun``, ...) is set up by its constructor (export, policy, runtime,
-resume) and offers ``cfg`` (a :class:`posttrain.stage_config.StageConfig`), ``step`` (stage steps
-done), ``logger``, ``profiler``, ``train_step() -> metrics`` (one step; advances ``step``),
-``evaluate(step, last) -> metrics`` (held-out numbers and grids due at this step), ``save()`` and
-``finish() -> export folder``.
+A stage object (``PretrainRun``, ``GRPORun``, ``DPORun``, ...) is set up by its constructor (model or
+export, policy, runtime, resume) and offers ``cfg`` (with ``train.steps`` and ``checkpoint.every``),
+``step`` (stage steps done), ``logger``, ``profiler``, ``train_step() -> metrics`` (one step; advances
+``step``), ``evaluate(step, last) -> metrics`` (held-out numbers and grids due at this step),
+``save()`` and ``finish() -> export folder``.
 """
 
 from __future__ import annotations
