@@ -303,11 +303,11 @@ class DPORun:
                                 step=step, device=st.device, ranks=self.ranks))
         return metrics
 
-    def evaluate(self, step: int, last: bool) -> dict:
+    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps."""
         if self.cfg.source == "offline" and (last or (self.cfg.eval.every and step % self.cfg.eval.every == 0)):
-            return self.heldout_acc()
-        return {}
+            return self.heldout_acc(), []
+        return {}, []
 
     def save(self) -> Path:
         return self.rt.save()

@@ -188,11 +188,11 @@ class GRPORun:
                 "time_reward_wait_s": self.scorer.wait_seconds, "time_advantage_s": t2 - t1,
                 "time_train_s": t3 - t2, "peak_rss_mb": peak_rss_mb()}
 
-    def evaluate(self, step: int, last: bool) -> dict:
+    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`)."""
         if self.cfg.eval.every and step % self.cfg.eval.every == 0:
-            self.logger.log_media(step, self.grid(self.rt.sampling_model().eval(), step))
-        return {}
+            return {}, [self.grid(self.rt.sampling_model().eval(), step)]
+        return {}, []
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:
         return self.ranks.grid(self.st, model, self.cfg.eval, self.seed, self.shift, f"heldout_iter_{step:05d}.png")

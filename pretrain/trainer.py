@@ -189,9 +189,9 @@ class PretrainRun:
                               f"({metrics['nonfinite_total']} so far)")
         return metrics
 
-    def evaluate(self, step: int, last: bool) -> dict:
+    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """The held-out loss every ``eval.every`` steps and a grid every ``eval.grid_every`` steps (and at the end)."""
-        e, out = self.cfg.eval, {}
+        e, out, media = self.cfg.eval, {}, []
         sampling = self.rt.sampling_model().eval()
         if e.every and (step % e.every == 0 or last):
             out["heldout_loss"] = self.guard(sampling)
@@ -200,8 +200,8 @@ class PretrainRun:
                 sampling, self.codec, self.held, self.null, num_prompts=e.grid_prompts, seed=self.cfg.train.seed,
                 num_inference_steps=e.num_inference_steps, guidance_scale=e.guidance_scale, shift=e.shift,
                 device=self.device, path=root / "samples" / f"heldout_step_{step:06d}.png"), self.run)
-            self.logger.log_media(step, grid)
-        return out
+            media.append(grid)
+        return out, media
 
     def save(self) -> Path:
         return self.rt.save()

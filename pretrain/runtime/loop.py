@@ -4,7 +4,8 @@ setup -> step -> finish.
 A stage object (``PretrainRun``, ``GRPORun``, ``DPORun``, ...) is set up by its constructor (model or
 export, policy, runtime, resume) and offers ``cfg`` (with ``train.steps`` and ``checkpoint.every``),
 ``step`` (stage steps done), ``logger``, ``profiler``, ``train_step() -> metrics`` (one step; advances
-``step``), ``evaluate(step, last) -> metrics`` (held-out numbers and grids due at this step),
+``step``), ``evaluate(step, last) -> (metrics, media)`` (held-out numbers due at this step, and the
+grids written, mirrored to wandb after the step's metrics),
 ``save()`` and ``finish() -> export folder``.
 """
 
@@ -20,8 +21,11 @@ def step_once(stage) -> dict:
         metrics = stage.train_step()
     step = stage.step
     last = step == cfg.train.steps
-    metrics.update(stage.evaluate(step, last))
+    held_out, media = stage.evaluate(step, last)
+    metrics.update(held_out)
     stage.logger.log(step, metrics)
+    for path in media:
+        stage.logger.log_media(step, path)
     if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
         stage.save()
     return metrics

@@ -30,12 +30,21 @@ def test_torchrun_two_ranks_run_one_grpo_job(tiny_export, tmp_path):
     assert proc.stdout.count("export: ") == 1  # printed by rank 0 alone
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]  # rank 0 alone logs
-    assert sorted(p.name for p in (out / "checkpoints" / "step_2").glob("*.distcp")) == ["__0_0.distcp",
+    # checkpoint folders count iterations, like train.steps (1 iteration = 2 optimizer steps here)
+    assert sorted(p.name for p in (out / "checkpoints" / "step_1").glob("*.distcp")) == ["__0_0.distcp",
                                                                                       "__1_0.distcp"]
+    assert json.loads((out / "checkpoints" / "step_1" / "shape.json").read_text())[
+        "world size (torchrun --nproc_per_node x --nnodes)"] == 2
     lora = load_file(str(out / "lora" / "pytorch_lora_weights.safetensors"))
     assert lora and max(v.abs().max().item() for k, v in lora.items() if "lora_B" in k) > 0  # trained
     assert (out / "export" / "diffusion_pytorch_model.safetensors").is_file()
     assert list((out / "samples").iterdir()) == [out / "samples" / "heldout_iter_00001.png"]
+    # resumed by one process: refused before loading, naming the world size both ways (exit 2, config error)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    one = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "configs/grpo/emoji_tiny.yaml",
+                          f"model.pretrained={tiny_export}", f"run_dir={run}", "train.steps=2", "--resume"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 2 and "was written with 2, this run has 1" in one.stderr, one.stderr[-2000:]
 
 
 def test_torchrun_prompts_not_divisible_by_ranks_is_a_config_error(tiny_export, tmp_path):
