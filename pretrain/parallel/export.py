@@ -41,7 +41,7 @@ def _skeleton(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
-    """Collective: on rank 0, a plain CPU copy of ``model`` (an ``SD3Adapter`` or a diffusers transformer,
+    """Collective: on rank 0, a plain CPU copy of ``model`` (a model adapter or a diffusers denoiser,
     FSDP2-sharded or not) with the same parameter names, values and dtypes; None on other ranks."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not _is_rank0():
