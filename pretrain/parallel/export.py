@@ -66,8 +66,9 @@ def save_lora_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path | Non
 
 
 def save_full_pretrained(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
-    """Collective: write the full transformer (LoRA fused, adapters removed) as a diffusers folder from
-    rank 0 (``SD3Transformer2DModel.from_pretrained(out_dir)`` loads it); None on other ranks."""
+    """Collective: write the full denoiser (LoRA fused, adapters removed) as a diffusers folder from
+    rank 0 (its class's ``from_pretrained(out_dir)`` loads it, e.g. ``SD3Transformer2DModel``); None on
+    other ranks."""
     plain = unsharded_copy(model)
     if plain is None:
         return None
