@@ -30,16 +30,17 @@ from pretrain.parallel.config import DTYPES, ParallelConfig
 from pretrain.parallel.dims import Mesh
 
 
-def blocks_of(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
+def block_units(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
     """``blocks`` if given, else the adapter's ``model.blocks()`` (its denoiser's repeated blocks, in
     forward order). Raises ``ValueError`` naming the class of a model that is not an adapter when no
     ``blocks`` are given."""
     if blocks is not None:
         return list(blocks)
-    if not callable(getattr(model, "blocks", None)):
+    method = getattr(model, "blocks", None)
+    if not callable(method) or isinstance(method, torch.nn.Module):  # e.g. Wan's own ``blocks`` ModuleList
         raise ValueError(f"parallelize: {type(model).__name__} is not a model adapter (no blocks()); "
                          f"pass its blocks explicitly")
-    return list(model.blocks())
+    return list(method())
 
 
 def lora_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -54,23 +55,23 @@ def lora_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
-    """Recompute each block's (:func:`blocks_of`) activations in backward (non-reentrant
+    """Recompute each block's (:func:`block_units`) activations in backward (non-reentrant
     ``torch.utils.checkpoint`` through the composable ``checkpoint``, which keeps parameter names unchanged)."""
     from torch.distributed._composable import checkpoint
 
-    for block in blocks_of(model, blocks):
+    for block in block_units(model, blocks):
         checkpoint(block)
 
 
 def apply_compile(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
-    """``torch.compile`` each block (:func:`blocks_of`) in place (names unchanged), as torchtitan does per block."""
-    for block in blocks_of(model, blocks):
+    """``torch.compile`` each block (:func:`block_units`) in place (names unchanged), as torchtitan does per block."""
+    for block in block_units(model, blocks):
         block.compile()
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                blocks: list[torch.nn.Module] | None = None) -> None:
-    """``fully_shard`` each block (:func:`blocks_of`; the last without resharding after forward), then the root.
+    """``fully_shard`` each block (:func:`block_units`; the last without resharding after forward), then the root.
 
     Frozen parameters are cast to ``param_dtype`` first; with LoRA layers present, units compute each
     parameter in its stored dtype (see the module docstring). With ``sp`` > 1 the shard mesh includes the SP
@@ -83,7 +84,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
     lora = bool(lora_layers(model))
     policy = MixedPrecisionPolicy(param_dtype=None if lora else param_dtype, reduce_dtype=reduce_dtype)
     fsdp_mesh = mesh.fsdp_mesh()
-    blocks = blocks_of(model, blocks)
+    blocks = block_units(model, blocks)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
@@ -99,13 +100,13 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
     """Apply activation checkpointing, compile and FSDP2 to ``model`` in place, in torchtitan's order;
     returns ``model``. ``model``: a :class:`pretrain.backbone.Backbone` adapter (its ``blocks()`` are the
     units), or any module with its ``blocks`` given (e.g. a bare diffusers denoiser and
-    ``Adapter.blocks_of(denoiser)``). Raises ``ValueError`` (:func:`blocks_of`) for a model without blocks.
+    ``Adapter.blocks_of(denoiser)``). Raises ``ValueError`` (:func:`block_units`) for a model without blocks.
 
     Call after adding peft adapters (and freezing the base) and after moving the model to its device.
     Parameters become ``DTensor`` shards over ``mesh.fsdp_mesh()``; the same call shards a frozen
     full-fine-tuning reference copy (``requires_grad=False`` everywhere: stored in ``param_dtype``, it only
     all-gathers)."""
-    blocks = blocks_of(model, blocks)
+    blocks = block_units(model, blocks)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, blocks)
     if cfg.compile:
