@@ -12,7 +12,8 @@ import torch
 
 from pretrain.codec import CodecConfig
 from pretrain.export import META, export_model
-from pretrain.models import ModelConfig, build_transformer
+from pretrain.models import ModelConfig
+from pretrain.models.sd3 import build_transformer
 from pretrain.text_encoder import TextEncoderConfig
 
 TEXT_TOKENS, TEXT_DIM, IMAGE_SIZE, LATENT_CHANNELS = 205, 64, 256, 16

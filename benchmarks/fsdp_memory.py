@@ -15,7 +15,8 @@ import argparse
 
 import torch
 
-from pretrain.models import ModelConfig, SD3Adapter, build_transformer
+from pretrain.models import ModelConfig
+from pretrain.models.sd3 import SD3Adapter, build_transformer
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.fsdp import parallelize
@@ -40,7 +41,7 @@ def measure(rank: int, world: int, preset: str, lora_rank: int) -> dict:
     if lora_rank:
         from peft import LoraConfig
 
-        from pretrain.models import SD3_ATTENTION
+        from pretrain.models.sd3 import SD3_ATTENTION
 
         model.requires_grad_(False)
         model.transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=SD3_ATTENTION))

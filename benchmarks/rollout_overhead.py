@@ -16,7 +16,8 @@ import time
 import torch
 
 from pretrain.codec import PatchifyCodec
-from pretrain.models import ModelConfig, SD3Adapter, build_transformer
+from pretrain.models import ModelConfig
+from pretrain.models.sd3 import SD3Adapter, build_transformer
 from pretrain.sampling import initial_noise, sample_latents
 from pretrain.schedule import sigma_schedule
 from pretrain.text_encoder import PromptEmbeds

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.backbone import denoiser_blocks
+from pretrain.models import denoiser_blocks
 
 
 @dataclass

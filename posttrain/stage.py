@@ -14,7 +14,7 @@ from pretrain.codec import CodecConfig
 from pretrain.config import save_config
 from pretrain.data.dataset import EncodedSet, build_datasets
 from pretrain.evaluation import write_grid
-from pretrain.families import export_pipeline, save_pipeline_lora
+from pretrain.models.pipelines import export_pipeline, save_pipeline_lora
 from pretrain.export import export_model, load_exported, require_export
 from pretrain.parallel.job import JobRanks
 from pretrain.runtime.runtime import resolve_device

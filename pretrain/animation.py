@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pretrain.grid import grid_image
+
 
 def save_animation(videos: torch.Tensor, captions: list[str], stem: str | Path, cols: int = 8, scale: int = 3,
                    fps: int = 4) -> list[Path]:
@@ -15,8 +17,6 @@ def save_animation(videos: torch.Tensor, captions: list[str], stem: str | Path, 
     ``fps`` frames per second; the frame is padded with white to even sides, as yuv420p needs). Returns
     the two paths. ``ValueError`` for a tensor that is not a batch of videos."""
     import imageio.v2 as imageio
-
-    from pretrain.sampling import grid_image
 
     if videos.ndim != 5 or videos.shape[2] != 3:
         raise ValueError(f"save_animation: videos [N, F, 3, H, W] expected, got {tuple(videos.shape)}")

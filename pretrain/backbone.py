@@ -1,11 +1,14 @@
-"""The backbone interface every model adapter implements (the project's own presets and each real
-model family in :mod:`pretrain.families`).
+"""The backbone interface every model adapter implements (one per model family, in
+``pretrain/models/<family>/``).
 
 An adapter is a ``torch.nn.Module`` whose ``forward(x, sigma, embeds)`` returns the flow-matching
 velocity v = eps - x0 for the state x = (1 - sigma) x0 + sigma eps (float32, shape of ``x``), whatever
 the wrapped model predicts (velocity, epsilon) and however it lays out its input (packed patches,
 video latents). Everything downstream (ODE/SDE sampling, log-probs, GRPO, DPO) only sees this
-interface, so a model family is one adapter file, never a copy of a trainer.
+interface, so a model family is one adapter file, never a copy of a trainer. Parallelism sees it through
+two more methods: :meth:`Backbone.blocks` (the units FSDP2, activation checkpointing and per-block compile
+wrap) and :meth:`Backbone.sequence_parallel` (the family's Ulysses plan), so ``pretrain.parallel``
+imports no model code.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class Backbone(torch.nn.Module):
 
     #: LoRA target module names (peft ``target_modules``) used when the policy config names none.
     lora_targets: list[str] = []
+    #: Attributes of the denoiser holding its repeated blocks, in forward order (a ``ModuleList`` or one
+    #: module each), e.g. ``("transformer_blocks",)``: see :meth:`blocks_of`.
+    block_attrs: tuple[str, ...] = ()
 
     def __init__(self, transformer: torch.nn.Module):
         super().__init__()
@@ -54,23 +60,33 @@ class Backbone(torch.nn.Module):
         new._modules["transformer"] = transformer
         return new
 
+    @classmethod
+    def blocks_of(cls, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The repeated blocks of ``denoiser`` (a denoiser this adapter class wraps) found under
+        :attr:`block_attrs`, in forward order. Raises ``ValueError`` naming both classes when there are
+        none."""
+        out: list[torch.nn.Module] = []
+        for name in cls.block_attrs:
+            found = getattr(denoiser, name, None)
+            if isinstance(found, torch.nn.ModuleList):
+                out += list(found)
+            elif isinstance(found, torch.nn.Module):
+                out.append(found)
+        if not out:
+            raise ValueError(f"{cls.__name__}: no blocks found in {type(denoiser).__name__} "
+                             f"(looked for {cls.block_attrs})")
+        return out
 
-#: Attributes holding a denoiser's repeated blocks, in forward order: SD3 / FLUX (``transformer_blocks``,
-#: FLUX's ``single_transformer_blocks``), Wan (``blocks``), UNets (``down_blocks``, ``mid_block``,
-#: ``up_blocks``).
-BLOCK_ATTRS = ("transformer_blocks", "single_transformer_blocks", "blocks", "down_blocks", "mid_block", "up_blocks")
+    def blocks(self) -> list[torch.nn.Module]:
+        """The denoiser's repeated blocks in forward order: the units of FSDP2 sharding, activation
+        checkpointing and per-block compile (:meth:`blocks_of` of ``self.transformer``). ``ValueError``
+        naming the classes if there are none."""
+        return self.blocks_of(self.transformer)
 
-
-def denoiser_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a diffusers denoiser (the units of FSDP2 sharding, activation checkpointing
-    and per-block compile), in forward order. ``ValueError`` naming the class if it has none."""
-    out: list[torch.nn.Module] = []
-    for name in BLOCK_ATTRS:
-        found = getattr(transformer, name, None)
-        if isinstance(found, torch.nn.ModuleList):
-            out += list(found)
-        elif isinstance(found, torch.nn.Module):
-            out.append(found)
-    if not out:
-        raise ValueError(f"{type(transformer).__name__}: no blocks found (looked for {BLOCK_ATTRS})")
-    return out
+    def sequence_parallel(self, group) -> list:
+        """Install this family's sequence-parallel plan on ``self.transformer`` for the process group
+        ``group`` (its forward still takes and returns full tensors on every rank of the group); returns
+        the hook handles (``.remove()`` each to undo; attention processors are restored by the caller,
+        :func:`pretrain.parallel.sequence.enable_sequence_parallel`). The base class has no plan: raises
+        ``ValueError`` naming the adapter class."""
+        raise ValueError(f"sequence parallel: {type(self).__name__} has no sequence-parallel plan")

@@ -1,5 +1,7 @@
-"""Exported models: a diffusers ``SD3Transformer2DModel`` folder plus ``posttrain.json`` describing
-the text encoder, codec and sampling defaults it was trained with. Written atomically."""
+"""Exported models: a diffusers denoiser folder (``save_pretrained``: an ``SD3Transformer2DModel``, a
+``WanTransformer3DModel``, or a registered family's denoiser) plus ``posttrain.json`` naming its model
+family (``arch``) and describing the text encoder, codec and sampling defaults it was trained with.
+Written atomically."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 
 from pretrain.codec import CodecConfig, build_codec
 from pretrain.models import arch_of
+from pretrain.models.pipelines import load_pipeline, pipeline_class
+from pretrain.models.registry import pipeline_classes, pipeline_family
 from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
 
 META = "posttrain.json"
@@ -21,9 +25,9 @@ META = "posttrain.json"
 def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder: TextEncoderConfig,
                  codec: CodecConfig, image_size: int, sampling: dict, arch: str = "sd3",
                  data: dict | None = None) -> Path:
-    """Save ``transformer`` (``save_pretrained``, safetensors) and the metadata (``arch`` names its
-    :data:`pretrain.models.ARCHES` entry; ``data``: the training data config as a dict, the default
-    data of later stages' evaluation) to ``out_dir``."""
+    """Save ``transformer`` (the denoiser, ``save_pretrained``, safetensors) and the metadata (``arch``
+    names its family in :data:`pretrain.models.FAMILIES`; ``data``: the training data config as a dict,
+    the default data of later stages' evaluation) to ``out_dir``; returns ``out_dir``."""
     out = Path(out_dir)
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -39,17 +43,16 @@ def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder
 
 def require_export(path: str | None, key: str = "model.pretrained") -> Path:
     """``ConfigError`` naming ``key`` unless ``path`` is an export folder of this project or a diffusers
-    pipeline folder of a known family (:mod:`pretrain.families`)."""
+    pipeline folder of a known family (:mod:`pretrain.models.pipelines`). Returns ``path``."""
     from pretrain.config import ConfigError
-    from pretrain.families import FAMILIES, pipeline_class
 
     if not path:
         raise ConfigError(f"{key}: required (an export folder written by `posttrain pretrain`, or a local "
                           f"diffusers pipeline folder)")
     cls = pipeline_class(path)
     if cls is not None:
-        if cls not in FAMILIES:
-            raise ConfigError(f"{key}: '{path}' is a {cls} folder; supported pipelines: {sorted(FAMILIES)}")
+        if pipeline_family(cls) is None:
+            raise ConfigError(f"{key}: '{path}' is a {cls} folder; supported pipelines: {pipeline_classes()}")
         return Path(path)
     if not (Path(path) / META).is_file():
         raise ConfigError(f"{key}: '{path}' is not an export folder (no {META}) nor a diffusers pipeline folder "
@@ -59,12 +62,10 @@ def require_export(path: str | None, key: str = "model.pretrained") -> Path:
 
 def load_exported(path: str | Path, device: str = "cpu", options: dict | None = None):
     """Load an exported folder, or a diffusers pipeline folder through its family
-    (:func:`pretrain.families.load_pipeline`, with ``options``): returns (adapter, text encoder,
-    codec, meta dict). Raises ``FileNotFoundError`` naming the folder if it is neither."""
-    import diffusers
-
-    from pretrain.families import load_pipeline, pipeline_class
-
+    (:func:`pretrain.models.pipelines.load_pipeline`, with ``options``): returns (adapter, text encoder,
+    codec, meta dict); an export's denoiser is the class of its family (``meta["arch"]``, "sd3" when
+    absent) in float32 on ``device``, in eval mode. Raises ``FileNotFoundError`` naming the folder if it is
+    neither, ``ValueError`` naming ``model.arch`` for an unregistered family."""
     path = Path(path)
     if pipeline_class(path) is not None:
         return load_pipeline(path, device, options)
@@ -72,7 +73,7 @@ def load_exported(path: str | Path, device: str = "cpu", options: dict | None = 
         raise FileNotFoundError(f"{path}: no {META} (expected a folder written by `posttrain pretrain`)")
     meta = json.loads((path / META).read_text())
     arch = arch_of(meta.get("arch", "sd3"))
-    transformer = getattr(diffusers, arch.diffusers_class).from_pretrained(path).to(device).eval()
+    transformer = arch.denoiser_class().from_pretrained(path).to(device).eval()
     encoder = text_encoder_from_config(TextEncoderConfig(**meta["text_encoder"]), device=device)
     codec = build_codec(CodecConfig(**meta["codec"]), device=device)
     return arch.adapter(transformer), encoder, codec, meta

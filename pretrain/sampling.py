@@ -1,4 +1,5 @@
-"""Deterministic ODE sampling with CFG, and labelled PNG grids."""
+"""Deterministic ODE sampling with CFG, and labelled PNG grids of images or videos (cells drawn by
+:mod:`pretrain.grid`; videos also animated by :mod:`pretrain.animation`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from pathlib import Path
 
 import torch
 
+from pretrain.animation import save_animation
 from pretrain.flow import euler_sample
+from pretrain.grid import grid_image
 from pretrain.guidance import guided_velocity
 from pretrain.seeding import randn_per_sample
 from pretrain.text_encoder import PromptEmbeds
@@ -53,31 +56,7 @@ def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if images.ndim == 5:
-        from pretrain.animation import save_animation
-
         save_animation(images, captions, path.with_suffix(""), cols=cols, scale=scale)
         images, scale = frame_strips(images), max(1, min(scale, 128 // images.shape[-2]))
     grid_image(images, captions, cols, scale).save(path)
     return path
-
-
-def grid_image(images: torch.Tensor, captions: list[str], cols: int = 8, scale: int = 3):
-    """A PIL RGB image: images float ``[N, 3, H, W]`` in [0, 1] in ``cols`` columns, each cell
-    upscaled ``scale`` x (nearest) with its caption underneath."""
-    from PIL import Image, ImageDraw
-
-    n, _, h, w = images.shape
-    cols = min(cols, n)
-    rows = (n + cols - 1) // cols
-    cw, ch, label = w * scale, h * scale, 12
-    grid = Image.new("RGB", (cols * cw, rows * (ch + label)), "white")
-    draw = ImageDraw.Draw(grid)
-    arr = (images.clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
-    max_chars = max(4, cw // 6)
-    for i in range(n):
-        r, c = divmod(i, cols)
-        cell = Image.fromarray(arr[i]).resize((cw, ch), Image.NEAREST)
-        grid.paste(cell, (c * cw, r * (ch + label)))
-        text = captions[i] if len(captions[i]) <= max_chars else captions[i][: max_chars - 1] + "…"
-        draw.text((c * cw + 2, r * (ch + label) + ch), text, fill=(0, 0, 0))
-    return grid

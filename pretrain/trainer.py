@@ -1,4 +1,5 @@
-"""`posttrain pretrain`: flow-matching pretraining of a text-to-image transformer on the shared runtime."""
+"""`posttrain pretrain`: flow-matching pretraining of a text-conditioned denoiser (any registered model
+family with presets: images or videos) on the shared runtime."""
 
 from __future__ import annotations
 
@@ -69,11 +70,14 @@ class PretrainConfig:
     def validate(self, prefix: str = "") -> None:
         if self.data.size < 1:
             raise ValueError(f"data.size: must be >= 1, got {self.data.size}")
-        presets = arch_of(self.model.arch).presets
-        video = self.model.arch == "wan"
+        family = arch_of(self.model.arch)
+        if family.build is None:
+            raise ValueError(f"model.arch: '{self.model.arch}' has no presets to pretrain (its pipeline folders "
+                             f"load as model.pretrained of a post-training stage)")
+        presets, video = family.presets, family.video
         if video != (self.codec.name == "video_patchify") and self.codec.name != "vae":
             raise ValueError(f"codec.name: '{self.codec.name}' does not fit model.arch '{self.model.arch}' "
-                             f"(wan takes video_patchify, sd3 takes patchify)")
+                             f"(a video family takes video_patchify, an image family patchify)")
         if self.codec.frame_code and self.codec.name != "video_patchify":
             raise ValueError(f"codec.frame_code: only the video_patchify codec has a frame code, not '{self.codec.name}'")
         if video and self.codec.frames != self.data.frames:
@@ -81,10 +85,10 @@ class PretrainConfig:
         if not self.model.pretrained:
             if self.model.preset not in presets:
                 raise ValueError(f"model.preset: unknown preset '{self.model.preset}'; known: {sorted(presets)}")
-            unknown = set(self.model.overrides) - set(presets["tiny"]) - {"qk_norm", "dual_attention_layers"}
+            unknown = set(self.model.overrides) - set(presets[self.model.preset]) - set(family.overrides)
             if unknown:
                 raise ValueError(f"model.overrides: unknown field(s) {sorted(unknown)}")
-            patch = {**presets[self.model.preset], **self.model.overrides}["patch_size"]
+            patch = {**presets[self.model.preset], **self.model.overrides}.get("patch_size", 1)
             patch = (patch[-1] if isinstance(patch, (list, tuple)) else patch) * self.codec.factor
             if self.data.size % patch:
                 raise ValueError(f"data.size: {self.data.size} is not divisible by the patch size {patch}")

@@ -18,7 +18,8 @@ class ParallelConfig:
     precision (``param_dtype``: the dtype blocks compute in after the all-gather; ``reduce_dtype``: the
     dtype gradients are reduced in, fp32 by default as torchtitan), per-block activation checkpointing and
     per-block ``torch.compile``. With LoRA, ``param_dtype`` is the storage dtype of the frozen base and the
-    adapters stay fp32 (``fsdp.py``). ``sp`` > 1 turns on Ulysses sequence parallelism (``ulysses.py``).
+    adapters stay fp32 (``fsdp.py``). ``sp`` > 1 turns on Ulysses sequence parallelism with the model
+    family's plan (``sequence.py``).
     ``always_shard``: build the mesh and FSDP2-shard even when ``torchrun`` starts a single rank (a GPU
     check of the sharded code path on one device); without it one rank runs as a plain process."""
 

@@ -41,7 +41,7 @@ def _skeleton(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
-    """Collective: on rank 0, a plain CPU copy of ``model`` (an ``SD3Adapter`` or a diffusers transformer,
+    """Collective: on rank 0, a plain CPU copy of ``model`` (a model adapter or a diffusers denoiser,
     FSDP2-sharded or not) with the same parameter names, values and dtypes; None on other ranks."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not _is_rank0():
@@ -66,8 +66,9 @@ def save_lora_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path | Non
 
 
 def save_full_pretrained(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
-    """Collective: write the full transformer (LoRA fused, adapters removed) as a diffusers folder from
-    rank 0 (``SD3Transformer2DModel.from_pretrained(out_dir)`` loads it); None on other ranks."""
+    """Collective: write the full denoiser (LoRA fused, adapters removed) as a diffusers folder from
+    rank 0 (its class's ``from_pretrained(out_dir)`` loads it, e.g. ``SD3Transformer2DModel``); None on
+    other ranks."""
     plain = unsharded_copy(model)
     if plain is None:
         return None

@@ -1,7 +1,9 @@
-"""Parallelize an SD3 model: activation checkpointing -> compile -> FSDP2, torchtitan's order
+"""Parallelize a model adapter: activation checkpointing -> compile -> FSDP2, torchtitan's order
 (``torchtitan/models/flux/parallelize.py``; TP would come first and is not implemented).
 
-FSDP2 (``fully_shard``) is applied to every ``transformer.transformer_blocks[i]``, then the root. One FSDP unit all-gathers its parameters before
+FSDP2 (``fully_shard``) is applied to every block the adapter lists (:meth:`pretrain.backbone.Backbone.blocks`:
+SD3's ``transformer_blocks``, FLUX's double and single blocks, Wan's ``blocks``, a UNet's down / mid / up
+blocks), then the root. One FSDP unit all-gathers its parameters before
 its forward and frees them after (``reshard_after_forward``; the last block keeps them, as torchtitan
 does, since backward starts there), and reduce-scatters its gradients in backward.
 
@@ -24,14 +26,21 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from pretrain.backbone import denoiser_blocks
 from pretrain.parallel.config import DTYPES, ParallelConfig
 from pretrain.parallel.dims import Mesh
 
 
-def transformer_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The diffusers denoiser inside an adapter (``model.transformer``), or the model itself."""
-    return getattr(model, "transformer", model)
+def block_units(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
+    """``blocks`` if given, else the adapter's ``model.blocks()`` (its denoiser's repeated blocks, in
+    forward order). Raises ``ValueError`` naming the class of a model that is not an adapter when no
+    ``blocks`` are given."""
+    if blocks is not None:
+        return list(blocks)
+    method = getattr(model, "blocks", None)
+    if not callable(method) or isinstance(method, torch.nn.Module):  # e.g. Wan's own ``blocks`` ModuleList
+        raise ValueError(f"parallelize: {type(model).__name__} is not a model adapter (no blocks()); "
+                         f"pass its blocks explicitly")
+    return list(method())
 
 
 def lora_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -45,23 +54,24 @@ def lora_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each block's (:func:`pretrain.backbone.denoiser_blocks`) activations in backward (non-reentrant ``torch.utils.checkpoint``
-    through the composable ``checkpoint``, which keeps parameter names unchanged)."""
+def apply_activation_checkpointing(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
+    """Recompute each block's (:func:`block_units`) activations in backward (non-reentrant
+    ``torch.utils.checkpoint`` through the composable ``checkpoint``, which keeps parameter names unchanged)."""
     from torch.distributed._composable import checkpoint
 
-    for block in denoiser_blocks(transformer_of(model)):
+    for block in block_units(model, blocks):
         checkpoint(block)
 
 
-def apply_compile(model: torch.nn.Module) -> None:
-    """``torch.compile`` each transformer block in place (names unchanged), as torchtitan does per block."""
-    for block in denoiser_blocks(transformer_of(model)):
+def apply_compile(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
+    """``torch.compile`` each block (:func:`block_units`) in place (names unchanged), as torchtitan does per block."""
+    for block in block_units(model, blocks):
         block.compile()
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """``fully_shard`` each transformer block (the last without resharding after forward), then the root.
+def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               blocks: list[torch.nn.Module] | None = None) -> None:
+    """``fully_shard`` each block (:func:`block_units`; the last without resharding after forward), then the root.
 
     Frozen parameters are cast to ``param_dtype`` first; with LoRA layers present, units compute each
     parameter in its stored dtype (see the module docstring). With ``sp`` > 1 the shard mesh includes the SP
@@ -74,7 +84,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
     lora = bool(lora_layers(model))
     policy = MixedPrecisionPolicy(param_dtype=None if lora else param_dtype, reduce_dtype=reduce_dtype)
     fsdp_mesh = mesh.fsdp_mesh()
-    blocks = list(denoiser_blocks(transformer_of(model)))
+    blocks = block_units(model, blocks)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
@@ -85,17 +95,21 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig) -> torch.nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 to ``model`` (an ``SD3Adapter`` or an
-    ``SD3Transformer2DModel``) in place, in torchtitan's order; returns ``model``.
+def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
+                blocks: list[torch.nn.Module] | None = None) -> torch.nn.Module:
+    """Apply activation checkpointing, compile and FSDP2 to ``model`` in place, in torchtitan's order;
+    returns ``model``. ``model``: a :class:`pretrain.backbone.Backbone` adapter (its ``blocks()`` are the
+    units), or any module with its ``blocks`` given (e.g. a bare diffusers denoiser and
+    ``Adapter.blocks_of(denoiser)``). Raises ``ValueError`` (:func:`block_units`) for a model without blocks.
 
     Call after adding peft adapters (and freezing the base) and after moving the model to its device.
     Parameters become ``DTensor`` shards over ``mesh.fsdp_mesh()``; the same call shards a frozen
     full-fine-tuning reference copy (``requires_grad=False`` everywhere: stored in ``param_dtype``, it only
     all-gathers)."""
+    blocks = block_units(model, blocks)
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, blocks)
     if cfg.compile:
-        apply_compile(model)
-    apply_fsdp(model, mesh, DTYPES[cfg.param_dtype], DTYPES[cfg.reduce_dtype])
+        apply_compile(model, blocks)
+    apply_fsdp(model, mesh, DTYPES[cfg.param_dtype], DTYPES[cfg.reduce_dtype], blocks)
     return model

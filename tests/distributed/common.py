@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.models import ModelConfig, SD3Adapter, build_transformer
+from pretrain.models import ModelConfig
+from pretrain.models.sd3 import SD3Adapter, build_transformer
 from pretrain.text_encoder import PromptEmbeds
 
 SIZE, CHANNELS, TEXT_DIM, POOLED_DIM, TEXT_LEN = 16, 3, 32, 32, 5

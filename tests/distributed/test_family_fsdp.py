@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from pretrain.backbone import denoiser_blocks
+from pretrain.models import denoiser_blocks
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.fsdp import parallelize
@@ -53,8 +53,9 @@ def _family_fsdp(rank, world, build):
     mesh = ParallelDims().build_mesh()
     ref, loss = build()
     model, _ = build()
-    units = len(denoiser_blocks(model))
-    parallelize(model, mesh, ParallelConfig())
+    blocks = denoiser_blocks(model)  # the family adapter's blocks of a bare denoiser
+    units = len(blocks)
+    parallelize(model, mesh, ParallelConfig(), blocks=blocks)
     loss(model, slice(2 * rank, 2 * rank + 2)).backward()
     loss(ref, slice(0, 4)).backward()
     grads, want = full_grads(model), full_grads(ref)

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from pretrain.models import SD3_ATTENTION
+from pretrain.models.sd3 import SD3_ATTENTION
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.export import save_full_pretrained, save_lora_adapter

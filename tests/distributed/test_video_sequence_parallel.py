@@ -18,7 +18,7 @@ FRAMES, SIZE, TEXT_DIM, STEPS, NOISE, SCALE = 4, 16, 32, 4, 0.7, 2.0
 
 
 def tiny_video_model(seed: int = 0):
-    from pretrain.video_models import WanVideoAdapter, build_wan_transformer
+    from pretrain.models.wan import WanVideoAdapter, build_wan_transformer
 
     torch.manual_seed(seed)  # codec factor 2: 12 channels; 4 frames x 4 x 4 patches = 64 tokens
     return WanVideoAdapter(build_wan_transformer("tiny", {}, 12, TEXT_DIM))

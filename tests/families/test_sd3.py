@@ -1,4 +1,4 @@
-"""SD3 / SD3.5 family (pretrain.families.sd3) against diffusers' StableDiffusion3Pipeline on a tiny
+"""SD3 / SD3.5 family (pretrain.models.sd3) against diffusers' StableDiffusion3Pipeline on a tiny
 randomly initialised pipeline folder: sampling, the ratio == 1 invariant, a GRPO run and its exports."""
 
 from pathlib import Path

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pretrain.export import load_exported
-from pretrain.families.vp_schedule import VPSchedule
+from pretrain.models.unet.vp_schedule import VPSchedule
 from pretrain.sampling import initial_noise, sample_latents
 from tests.conftest import ROOT, dpo_config
 from tests.families.tiny_unet_pipelines import SCALED_LINEAR, save_sd, save_sdxl, schedulers
@@ -101,7 +101,7 @@ def test_unsupported_schedulers_raise_and_the_scheduler_option_replaces_them(tmp
     # its export carries the DDIM scheduler it sampled with; the source folder keeps its PNDM
     from diffusers import StableDiffusionPipeline
 
-    from pretrain.families import export_pipeline
+    from pretrain.models.pipelines import export_pipeline
 
     model, _, _, meta = load_exported(folder, options={"scheduler": "ddim"})
     out = export_pipeline(model.transformer, meta, tmp_path / "export")

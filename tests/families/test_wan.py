@@ -1,4 +1,4 @@
-"""Wan2.1 family (``pretrain.families.wan``) against diffusers' ``WanPipeline`` on a tiny randomly
+"""Wan2.1 family (``pretrain.models.wan``) against diffusers' ``WanPipeline`` on a tiny randomly
 initialised pipeline folder (2-layer transformer, 2-layer UMT5, 4-channel causal 3D VAE, 5-frame videos)."""
 
 import itertools
@@ -101,7 +101,7 @@ def test_sampler_encoder_and_schedule_match_the_pipeline(wan_folder, capsys):
 def test_codec_options_and_unipc_schedule(wan_folder, tmp_path):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
 
-    from pretrain.families import wan
+    from pretrain.models.wan import pipeline as wan
     from pretrain.sampling import frame_strips
     from pretrain.schedule import shift_sigmas
 
@@ -224,7 +224,7 @@ def test_grpo_iteration_exports_load_in_diffusers(wan_folder, tmp_path, capsys):
 def test_real_wan21_config_loads(wan_folder):
     from posttrain.grpo import GRPOConfig
     from pretrain.config import ConfigError, load_config
-    from pretrain.families.wan_codec import check_num_frames
+    from pretrain.models.wan.codec import check_num_frames
 
     path = ROOT / "configs/grpo/wan21_t2v_1_3b.yaml"
     with pytest.raises(ConfigError, match="model.pretrained"):

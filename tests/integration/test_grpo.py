@@ -93,7 +93,7 @@ def test_gradient_accumulation_keeps_old_log_probs_and_moves_ratio(tiny_export):
 def test_merged_export_and_adapter_match_the_policy(tiny_export, tmp_path):
     from diffusers import SD3Transformer2DModel
 
-    from pretrain.models import SD3Adapter
+    from pretrain.models.sd3 import SD3Adapter
 
     model, codec, train, null, policy, meta = _setup(tiny_export)
     x = torch.randn(2, 3, 16, 16)

@@ -2,7 +2,8 @@ import torch
 
 from pretrain.codec import PatchifyCodec
 from pretrain.export import export_model, load_exported
-from pretrain.models import ModelConfig, SD3Adapter, build_transformer, count_parameters
+from pretrain.models import ModelConfig, count_parameters
+from pretrain.models.sd3 import SD3Adapter, build_transformer
 from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
 from pretrain.codec import CodecConfig
 
@@ -71,7 +72,7 @@ def test_video_patchify_frame_code_roundtrips_and_marks_absolute_time():
 
 
 def test_exported_video_codec_keeps_its_frame_code(tmp_path):
-    from pretrain.video_models import build_wan_transformer
+    from pretrain.models.wan import build_wan_transformer
 
     codec_cfg = CodecConfig(name="video_patchify", factor=2, frames=4, frame_code=True)
     out = export_model(build_wan_transformer("tiny", {}, 13, 384), tmp_path / "export", TextEncoderConfig(), codec_cfg, 16,

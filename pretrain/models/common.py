@@ -1,6 +1,6 @@
-"""Pieces the model families share: option checks, the pipeline's call defaults, the ``meta`` dict, the
-embedding-cache key of a pipeline folder and a prompt encoder that runs a pipeline's own
-``encode_prompt`` in batches."""
+"""Pieces the model families share: the joint-attention LoRA targets, option checks, the pipeline's call
+defaults, the ``meta`` dict, the embedding-cache key of a pipeline folder and a prompt encoder that runs a
+pipeline's own ``encode_prompt`` in batches."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from pathlib import Path
 import torch
 
 from pretrain.text_encoder import PromptEmbeds
+
+#: The projections of a joint (image + text) attention block of diffusers' SD3 and FLUX transformers:
+#: image ``to_q/k/v/out`` and text ``add_q/k/v_proj`` / ``to_add_out`` (FLUX's single blocks have only
+#: ``to_q/k/v``): their default LoRA targets.
+JOINT_ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                   "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 
 
 def folder_cache_key(family: str, path: str | Path, max_sequence_length: int, dtype: str) -> str:
@@ -76,7 +82,7 @@ def check_image_size(image_size: int, multiple: int) -> int:
 
 def family_meta(family: str, pipeline: str, component: str, path: str | Path, image_size: int, options: dict,
                 defaults: dict) -> dict:
-    """The ``meta`` dict a family's ``load`` returns (see :mod:`pretrain.families`): sampling
+    """The ``meta`` dict a family's ``load`` returns (see :mod:`pretrain.models.pipelines`): sampling
     ``num_inference_steps`` / ``guidance_scale`` from ``options``, else ``defaults`` (the pipeline's);
     ``shift`` None (the scheduler's own)."""
     sampling = {"num_inference_steps": int(options.get("num_inference_steps", defaults["num_inference_steps"])),

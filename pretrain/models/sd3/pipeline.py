@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from pretrain.codec import VAECodec
-from pretrain.families.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
+from pretrain.models.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
                                       family_meta)
-from pretrain.models import SD3Adapter
+from pretrain.models.sd3.model import SD3Adapter
 
 COMPONENT = "transformer"
 PIPELINE = "StableDiffusion3Pipeline"
@@ -25,7 +25,7 @@ OPTIONS = ("image_size", "guidance_scale", "num_inference_steps", "max_sequence_
 
 
 class SD3PipelineAdapter(SD3Adapter):
-    """:class:`pretrain.models.SD3Adapter` walking the pipeline scheduler's sigmas.
+    """:class:`pretrain.models.sd3.model.SD3Adapter` walking the pipeline scheduler's sigmas.
 
     ``forward(x [B, 16, h, w], sigma [B] in [0, 1], embeds) -> velocity`` float32 (the transformer's
     prediction as is: SD3 is trained on v = eps - x0). ``image_seq_len``: image tokens per sample,

@@ -4,7 +4,7 @@ The denoiser is ``WanTransformer3DModel`` on video latents ``[B, 16, F', h, w]``
 velocity eps - x0 at timestep = sigma * ``num_train_timesteps`` (1000: ``WanPipeline`` passes the
 scheduler's ``timesteps``, float32 for ``FlowMatchEulerDiscreteScheduler``). Prompts go through the
 pipeline's own ``encode_prompt`` (UMT5-XXL, zero-padded to ``max_sequence_length``); there is no pooled
-embedding. Latents through ``AutoencoderKLWan`` (:class:`pretrain.families.wan_codec.WanVideoCodec`).
+embedding. Latents through ``AutoencoderKLWan`` (:class:`pretrain.models.wan.codec.WanVideoCodec`).
 
 Sampling. Our samplers are the Euler ODE and the Flow-GRPO SDE. For a folder whose scheduler is
 ``FlowMatchEulerDiscreteScheduler`` we walk exactly its sigmas, so our ODE equals the pipeline (the
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from pretrain.families.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
+from pretrain.models.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
                                       family_meta)
-from pretrain.families.wan_codec import WanVideoCodec, check_num_frames
-from pretrain.video_models import WanVideoAdapter
+from pretrain.models.wan.codec import WanVideoCodec, check_num_frames
+from pretrain.models.wan.model import WanVideoAdapter
 
 COMPONENT = "transformer"
 PIPELINE = "WanPipeline"
@@ -65,7 +65,7 @@ def scheduler_sigmas(scheduler_class, config: dict, num_inference_steps: int, sh
 
 
 class WanAdapter(WanVideoAdapter):
-    """:class:`pretrain.video_models.WanVideoAdapter` (``forward(x [B, C, F', h, w], sigma [B] in [0, 1],
+    """:class:`pretrain.models.wan.model.WanVideoAdapter` (``forward(x [B, C, F', h, w], sigma [B] in [0, 1],
     embeds) -> velocity`` float32, the transformer's prediction v = eps - x0 at the float32 timestep
     sigma * ``num_train_timesteps`` as ``WanPipeline`` passes it; ``embeds.pooled`` ``[B, 0]`` unused)
     walking the folder scheduler's sigmas (:func:`scheduler_sigmas`)."""

@@ -41,7 +41,7 @@ thresholding, and a timestep spacing whose steps land on the next listed timeste
 "trailing" when num_train_timesteps is a multiple of the step count) and ``EulerDiscreteScheduler``
 (discrete timesteps, final sigma zero, linear interpolation). Anything else raises ``ValueError``;
 PNDM / DPM-Solver / other folders can be sampled with DDIM or Euler through the family's ``scheduler``
-option (:mod:`pretrain.families.unet`).
+option (:mod:`pretrain.models.unet.pipeline`).
 """
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ import torch
 
 from pretrain.backbone import Backbone
 from pretrain.codec import VAECodec
-from pretrain.families.common import PipelinePromptEncoder
-from pretrain.models import SD3_ATTENTION
+from pretrain.models.common import JOINT_ATTENTION, PipelinePromptEncoder
 from pretrain.text_encoder import PromptEmbeds
 
 COMPONENT = "transformer"
@@ -34,9 +33,11 @@ class FluxAdapter(Backbone):
     ``_prepare_latent_image_ids``, text ids zero, timestep = (sigma * num_train_timesteps) / 1000 (the
     scheduler's timestep over 1000; the transformer multiplies by 1000 itself), ``guidance`` embedded when
     ``transformer.config.guidance_embeds`` (else None). ``image_seq_len`` (packed tokens of one image)
-    sets the scheduler's dynamic shift in :meth:`sigmas`."""
+    sets the scheduler's dynamic shift in :meth:`sigmas`. Blocks (FSDP2 units): the double
+    ``transformer_blocks``, then the ``single_transformer_blocks``; no sequence-parallel plan."""
 
-    lora_targets = SD3_ATTENTION  # double blocks: image + text projections; single blocks: attn.to_q/k/v
+    lora_targets = JOINT_ATTENTION  # double blocks: image + text projections; single blocks: attn.to_q/k/v
+    block_attrs = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int, guidance: float = 3.5):
         super().__init__(transformer)
@@ -133,7 +134,7 @@ def load(path: str | Path, device: str = "cpu", options: dict | None = None):
                              tokenizer_2=pipe.tokenizer_2)
     text_pipe.set_progress_bar_config(disable=True)
     encoder = FluxPromptEncoder(text_pipe, path, opts["max_sequence_length"], opts["dtype"], device)
-    meta = {"family": __name__.rsplit(".", 1)[-1], "pipeline": "FluxPipeline", "component": COMPONENT,
+    meta = {"family": "flux", "pipeline": "FluxPipeline", "component": COMPONENT,
             "source": str(path), "image_size": size,
             "sampling": {"num_inference_steps": int(opts["num_inference_steps"]), "guidance_scale": 1.0,
                          "shift": None},

@@ -5,7 +5,7 @@ the flow-matching backbone interface.
 The state is the flow state y = x_t / (alpha_t + s_t) at sigma = s_t / (alpha_t + s_t); the adapter
 feeds the UNet x_t = y / sqrt((1 - sigma)^2 + sigma^2) at the scheduler timestep of sigma and returns
 v = eps_hat - x0_hat. The derivation, and why our Euler ODE sampler then walks exactly the pipeline's
-DDIM (eta 0) or Euler discrete steps, is in :mod:`pretrain.families.vp_schedule`.
+DDIM (eta 0) or Euler discrete steps, is in :mod:`pretrain.models.unet.vp_schedule`.
 
 Conditioning, as the pipelines' ``encode_prompt`` and ``__call__`` build it:
 
@@ -28,8 +28,8 @@ import torch
 
 from pretrain.backbone import Backbone
 from pretrain.codec import VAECodec
-from pretrain.families.common import PipelinePromptEncoder, call_defaults, checked_options, family_meta
-from pretrain.families.vp_schedule import VPSchedule, flow_velocity, vp_state
+from pretrain.models.common import PipelinePromptEncoder, call_defaults, checked_options, family_meta
+from pretrain.models.unet.vp_schedule import VPSchedule, flow_velocity, vp_state
 from pretrain.text_encoder import PromptEmbeds
 
 COMPONENT = "unet"
@@ -43,9 +43,11 @@ class UNetAdapter(Backbone):
     """``forward(x [B, C, h, w] flow state, sigma [B] in [0, 1], embeds) -> velocity float32``
     around a ``UNet2DConditionModel`` (``self.transformer``, the interface's name). ``schedule``: the
     folder scheduler's :class:`VPSchedule`; ``time_ids``: SDXL's ``[1, 6]`` added time ids, None for SD
-    1.x / 2.x."""
+    1.x / 2.x. Blocks (FSDP2 units): ``down_blocks``, ``mid_block``, ``up_blocks``; no sequence-parallel
+    plan."""
 
     lora_targets = UNET_ATTENTION
+    block_attrs = ("down_blocks", "mid_block", "up_blocks")
 
     def __init__(self, unet: torch.nn.Module, schedule: VPSchedule, time_ids: torch.Tensor | None = None):
         super().__init__(unet)

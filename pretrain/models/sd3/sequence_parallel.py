@@ -1,5 +1,18 @@
-"""Ulysses sequence-parallel joint attention for SD3 (DeepSpeed-Ulysses, Jacobs et al. 2023,
-arXiv 2309.14509), a drop-in for diffusers' ``JointAttnProcessor2_0``.
+"""The SD3 sequence-parallel plan: Ulysses joint attention (DeepSpeed-Ulysses, Jacobs et al. 2023,
+arXiv 2309.14509), a drop-in for diffusers' ``JointAttnProcessor2_0``, plus the hooks that split the image
+tokens after the patch embedding and gather them before the final unpatchify
+(:func:`sd3_sequence_parallel`, installed by :meth:`SD3Adapter.sequence_parallel
+<pretrain.models.sd3.model.SD3Adapter.sequence_parallel>`).
+
+The model's forward still takes and returns **full** tensors on every rank of the group:
+
+- inputs ``x [B, C, H, W]``, ``sigma``, text embeddings are the same full tensors on every SP rank
+  (DESIGN.md: SP ranks draw one full-size noise tensor from the rank-free generators and slice it);
+- a forward hook on ``transformer.pos_embed`` keeps this rank's contiguous chunk of the ``N`` image
+  tokens ``[B, N/sp, C]``; the patch embedding is cheap and computed in full on each rank;
+- a forward hook on ``transformer.proj_out`` all-gathers the tokens back to ``[B, N, p*p*C]`` with
+  ``gather_replicated``: the caller's loss is then replicated on the group, and each rank back-propagates
+  only its chunk, so gradients summed over the SP ranks equal the single-process ones.
 
 diffusers 0.42 ships context parallelism (``ContextParallelConfig`` / ``enable_parallelism`` driven by
 a model's ``_cp_plan``) for FLUX, Wan, LTX, Qwen-Image and others but not for
@@ -22,10 +35,10 @@ Layout on each of the ``sp`` ranks of a group: image tokens are split (rank ``r`
 So the result equals SP = 1 up to float rounding. For gradients, every replicated text-stream tensor is
 consumed on rank ``r`` only through heads of slice ``r`` (step 2), and the text all-gather's backward sums
 over ranks; hence the per-rank parameter gradients summed over the SP group are the SP = 1 gradients
-(FSDP2 sums them, see ``fsdp.py``). The alternative -- all-gathering image K/V so every rank attends
+(FSDP2 sums them, see :mod:`pretrain.parallel.fsdp`). The alternative -- all-gathering image K/V so every rank attends
 for all heads -- moves N x H x D per rank per layer instead of N x H x D / sp and is not used.
 
-The SP degree must divide the head count (``ValueError`` otherwise).
+The SP degree must divide the head count and the image token count (``ValueError`` otherwise).
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pretrain.parallel.comm import all_gather, all_to_all
+from pretrain.parallel.comm import all_gather, all_to_all, gather_replicated, split
 
 
 class UlyssesJointAttnProcessor:
@@ -79,3 +92,26 @@ class UlyssesJointAttnProcessor:
         if not attn.context_pre_only:
             text = attn.to_add_out(text)
         return image, text
+
+
+def sd3_sequence_parallel(transformer: torch.nn.Module, group) -> list:
+    """Install the plan of the module docstring on ``transformer`` (an ``SD3Transformer2DModel``):
+    :class:`UlyssesJointAttnProcessor` on every attention, the split / gather hooks; returns the hook
+    handles. ``ValueError`` if the group size does not divide the head count (here) or the image token
+    count (at the first forward)."""
+    sp = dist.get_world_size(group)
+    heads = transformer.config.num_attention_heads
+    if heads % sp:
+        raise ValueError(f"sequence parallel: sp={sp} does not divide num_attention_heads={heads}")
+
+    def split_tokens(_module, _args, out):
+        if out.shape[1] % sp:
+            raise ValueError(f"sequence parallel: sp={sp} does not divide the {out.shape[1]} image tokens")
+        return split(out, 1, group)
+
+    def gather_tokens(_module, _args, out):
+        return gather_replicated(out, 1, group)
+
+    transformer.set_attn_processor(UlyssesJointAttnProcessor(group))
+    return [transformer.pos_embed.register_forward_hook(split_tokens),
+            transformer.proj_out.register_forward_hook(gather_tokens)]

@@ -1,13 +1,13 @@
-"""Real model families, loaded from local diffusers pipeline folders (``model_index.json``).
+"""Local diffusers pipeline folders (``model_index.json``): loaded through the model family whose
+:attr:`Family.pipelines <pretrain.models.registry.Family.pipelines>` lists the folder's pipeline class.
 
-Each family is one module here with the same three functions, picked by the folder's pipeline class:
-
-- ``load(path: Path, device: str, options: dict) -> (model, encoder, codec, meta)``: ``model`` is a
-  :class:`pretrain.backbone.Backbone` (velocity in flow coordinates, the pipeline scheduler's sigmas),
-  ``encoder.encode(prompts) -> PromptEmbeds`` reproduces the pipeline's ``encode_prompt`` (and
-  ``encode([""])`` its unconditional embedding), ``codec`` its VAE; ``meta`` as an export's
-  ``posttrain.json`` (``family``, ``pipeline``, ``image_size``, ``sampling``, ``options``).
-- ``COMPONENT``: the pipeline component holding the denoiser (``transformer`` or ``unet``).
+A family's ``load(path: Path, device: str, options: dict) -> (model, encoder, codec, meta)``: ``model`` is
+a :class:`pretrain.backbone.Backbone` (velocity in flow coordinates, the pipeline scheduler's sigmas),
+``encoder.encode(prompts) -> PromptEmbeds`` reproduces the pipeline's ``encode_prompt`` (and
+``encode([""])`` its unconditional embedding), ``codec`` its VAE; ``meta`` as an export's
+``posttrain.json`` (``family``: the family's registry name, ``pipeline``, ``component``: the pipeline
+component holding the denoiser, ``transformer`` or ``unet``, ``source``, ``image_size``, ``sampling``,
+``options``).
 
 Export and LoRA files are written by :func:`export_pipeline` / :func:`save_pipeline_lora`, so a result
 loads back with the family's diffusers pipeline (``from_pretrained``; ``load_lora_weights``).
@@ -15,7 +15,6 @@ loads back with the family's diffusers pipeline (``from_pretrained``; ``load_lor
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -23,14 +22,8 @@ from pathlib import Path
 
 import torch
 
-#: diffusers pipeline class -> family module under ``pretrain.families``.
-FAMILIES = {
-    "StableDiffusion3Pipeline": "sd3",
-    "FluxPipeline": "flux",
-    "WanPipeline": "wan",
-    "StableDiffusionPipeline": "unet",
-    "StableDiffusionXLPipeline": "unet",
-}
+from pretrain.models.registry import FAMILIES, Family, pipeline_classes, pipeline_family
+
 META = "posttrain.json"
 
 
@@ -42,13 +35,14 @@ def pipeline_class(path: str | Path) -> str | None:
     return json.loads(index.read_text()).get("_class_name")
 
 
-def family_of(path: str | Path):
-    """The family module for the pipeline folder ``path``. Raises ``ValueError`` naming the folder and
-    its pipeline class when no family handles it."""
+def family_of(path: str | Path) -> Family:
+    """The family loading the pipeline folder ``path``. Raises ``ValueError`` naming the folder and its
+    pipeline class when no family (with a ``load``) handles it."""
     cls = pipeline_class(path)
-    if cls not in FAMILIES:
-        raise ValueError(f"{path}: pipeline class '{cls}' has no model family here (known: {sorted(FAMILIES)})")
-    return importlib.import_module(f"pretrain.families.{FAMILIES[cls]}")
+    found = pipeline_family(cls)
+    if found is None or found[1].load is None:
+        raise ValueError(f"{path}: pipeline class '{cls}' has no model family here (known: {pipeline_classes()})")
+    return found[1]
 
 
 def load_pipeline(path: str | Path, device: str = "cpu", options: dict | None = None):
@@ -76,7 +70,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
     """Write a complete pipeline folder: the source folder ``meta["source"]`` (files hard-linked where
     possible) with ``denoiser`` saved (``save_pretrained``, safetensors) as its ``meta["component"]``,
-    the family module's ``finalize_export(folder, meta)`` applied when it has one, plus
+    the family's (``meta["family"]``) ``finalize_export(folder, meta)`` applied when it has one, plus
     ``posttrain.json``. Written to a temporary name, then renamed. Returns ``out_dir``."""
     out, src, comp = Path(out_dir), Path(meta["source"]), meta["component"]
     tmp = out.with_name(f".tmp_{out.name}")
@@ -84,7 +78,7 @@ def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) 
     shutil.copytree(src, tmp, copy_function=_link_or_copy,
                     ignore=lambda d, names: [n for n in names if Path(d) == src and n in (comp, META)])
     denoiser.save_pretrained(tmp / comp, safe_serialization=True)
-    finalize = getattr(importlib.import_module(f"pretrain.families.{meta['family']}"), "finalize_export", None)
+    finalize = FAMILIES[meta["family"]].finalize_export
     if finalize is not None:  # e.g. a replaced scheduler: the export must sample as the run did
         finalize(tmp, meta)
     (tmp / META).write_text(json.dumps({**meta, "source": str(out.resolve())}, indent=2))

@@ -1,5 +1,6 @@
-"""Ulysses sequence parallelism for ``WanTransformer3DModel`` (DeepSpeed-Ulysses, Jacobs et al. 2023,
-arXiv 2309.14509) that runs on any backend, gloo on CPU included.
+"""The Wan sequence-parallel plan: Ulysses for ``WanTransformer3DModel`` (DeepSpeed-Ulysses, Jacobs et
+al. 2023, arXiv 2309.14509) that runs on any backend, gloo on CPU included; installed by
+:meth:`WanVideoAdapter.sequence_parallel <pretrain.models.wan.model.WanVideoAdapter.sequence_parallel>`.
 
 diffusers 0.42 has a context-parallel plan for Wan (``enable_parallelism``), but it resolves its device
 as ``rank % torch.accelerator.device_count()`` and so cannot run without an accelerator; this module
