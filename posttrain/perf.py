@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.models import denoiser_blocks
 
 
 @dataclass
@@ -69,8 +68,8 @@ def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float)
 
 
 def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile`` every block of ``model.transformer`` (:func:`pretrain.backbone.denoiser_blocks`) in place (torchtitan's
-    per-block compile); returns ``model``. GRPO calls a block in several guises (with and without
+    """``torch.compile`` every block of ``model`` (a :class:`pretrain.backbone.Backbone`; its ``blocks()``)
+    in place (torchtitan's per-block compile); returns ``model``. GRPO calls a block in several guises (with and without
     gradients, adapters on and off, the merged copy, batch B and 2B), each a graph of its own, so the
     recompile limit is raised to keep them all compiled."""
     import torch._dynamo
@@ -79,6 +78,6 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
     for key in ("recompile_limit", "cache_size_limit"):
         if hasattr(dyn, key):
             setattr(dyn, key, max(getattr(dyn, key), 64))
-    for block in denoiser_blocks(model.transformer):
+    for block in model.blocks():
         block.compile()
     return model

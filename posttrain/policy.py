@@ -85,7 +85,7 @@ class Policy:
 
 
 class MergedCopy:
-    """A LoRA-free copy of a peft-LoRA ``model`` (an ``SD3Adapter``-like module with ``.transformer``)
+    """A LoRA-free copy of a peft-LoRA ``model`` (a :class:`pretrain.backbone.Backbone`: a module with ``.transformer``)
     whose targeted linear weights are kept equal to base + the active adapters' delta weights."""
 
     def __init__(self, model: torch.nn.Module):

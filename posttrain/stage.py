@@ -69,7 +69,7 @@ class PolicyStage:
     def finish(self, final: torch.nn.Module) -> Path:
         """Write ``lora/`` (adapter) and ``export/`` (LoRA merged) from ``final``; returns the export.
         A model family's run exports a whole diffusers pipeline folder and the LoRA in its pipeline's
-        ``load_lora_weights`` format (:mod:`pretrain.families`)."""
+        ``load_lora_weights`` format (:mod:`pretrain.models.pipelines`)."""
         m = self.meta
         if "family" in m:
             if self.policy.lora:

@@ -44,6 +44,11 @@ class Backbone(torch.nn.Module):
         adapter returns its pipeline scheduler's sigmas, so our sampler walks the pipeline's steps."""
         return sigma_schedule(num_inference_steps, 1.0 if shift is None else shift)
 
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The timestep input the denoiser receives at ``sigma`` (float32, shape of ``sigma``), in the
+        wrapped model's own convention (SD3 / Wan: sigma x 1000); recorded on rollouts. Default: sigma."""
+        return sigma.float()
+
     def initial_scale(self, sigma0: float) -> float:
         """Factor turning unit Gaussian noise into the state at the schedule's first sigma
         ``sigma0``. 1 for flow models (they start from pure noise, sigma0 = 1)."""

@@ -26,13 +26,6 @@ from rollout.steps import get_step
 from rollout.trajectory import SamplingSettings, Trajectory, train_timesteps
 
 
-def model_timesteps(model, sigmas: torch.Tensor) -> torch.Tensor:
-    """The timestep the adapter feeds its denoiser at each of ``sigmas`` (float32, same shape): the
-    adapter's ``timestep(sigma)`` where it declares one, else the sigmas themselves."""
-    convert = getattr(model, "timestep", None)
-    return (convert(sigmas) if callable(convert) else sigmas).float().clone()
-
-
 class Sampler:
     """Built from a ``rollout:`` block (:class:`rollout.config.RolloutConfig`) for one model:
     ``sigmas`` float32 ``[T + 1]`` (the model's schedule at ``num_inference_steps`` and the shift),
@@ -53,7 +46,7 @@ class Sampler:
         ``cfg.shift`` (``shift`` where that is None), ``cfg.negative_prompt`` encoded by ``encoder``."""
         sigmas = model.sigmas(cfg.num_inference_steps, shift if cfg.shift is None else cfg.shift)
         negative = encoder.encode([cfg.negative_prompt]).to(device)
-        return cls(cfg, sigmas, negative, model_timesteps(model, sigmas[:-1]))
+        return cls(cfg, sigmas, negative, model.timestep(sigmas[:-1]).float().cpu().clone())
 
     @property
     def num_steps(self) -> int:

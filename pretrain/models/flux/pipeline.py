@@ -67,6 +67,11 @@ class FluxAdapter(Backbone):
             retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas)
         return scheduler.sigmas.to(torch.float32).cpu()
 
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """FLUX convention: the scheduler's timestep sigma * ``num_train_timesteps`` over 1000 (float32;
+        the transformer multiplies by 1000 itself)."""
+        return sigma.to(torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000) / 1000
+
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         from diffusers import FluxPipeline
 

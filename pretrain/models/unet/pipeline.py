@@ -65,6 +65,10 @@ class UNetAdapter(Backbone):
         :meth:`VPSchedule.initial_scale`)."""
         return self.schedule.initial_scale(sigma0)
 
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The scheduler timestep of the VP state at flow ``sigma`` (:meth:`VPSchedule.timestep`)."""
+        return self.schedule.timestep(sigma.to(torch.float32)).float()
+
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         dtype = next(self.transformer.parameters()).dtype
         sigma = sigma.to(x.device, torch.float32).expand(x.shape[0])

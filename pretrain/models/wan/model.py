@@ -43,9 +43,13 @@ class WanVideoAdapter(Backbone):
     timestep_scale = 1000.0
     block_attrs = ("blocks",)
 
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Wan convention: timestep = sigma * ``timestep_scale`` (1000), float32."""
+        return sigma.to(dtype=torch.float32) * self.timestep_scale
+
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         dtype = next(self.transformer.parameters()).dtype
-        timestep = sigma.to(device=x.device, dtype=torch.float32) * self.timestep_scale
+        timestep = self.timestep(sigma.to(device=x.device))
         out = self.transformer(hidden_states=x.to(dtype), timestep=timestep,
                                encoder_hidden_states=embeds.tokens.to(x.device, dtype), return_dict=False)[0]
         return out.float()
