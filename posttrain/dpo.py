@@ -125,7 +125,10 @@ class DPOConfig(StageConfig):
         super().validate(prefix)
         default = PerfConfig()
         for f in fields(PerfConfig):
-            if f.name != "compile" and getattr(self.perf, f.name) != getattr(default, f.name):
+            value = getattr(self.perf, f.name)
+            if f.name == "merge_lora" and not value:  # unset or off: nothing to honour
+                continue
+            if f.name != "compile" and value != getattr(default, f.name):
                 raise ValueError(f"perf.{f.name}: not used by dpo (only perf.compile applies); remove it")
         if self.source not in ("online", "offline"):
             raise ValueError(f"source: '{self.source}' is not one of online, offline")
@@ -253,7 +256,7 @@ class DPORun:
             stateful["pairs"] = self.pair_sampler
         self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful, shape={"policy.lora_rank": cfg.policy.lora_rank})
+                               cfg.checkpoint.keep_last, stateful, shape=st.policy.shape())
         resumed = rt.start(cfg.checkpoint.resume)
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
         self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),

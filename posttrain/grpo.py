@@ -16,7 +16,7 @@ import torch
 from posttrain.distributed_grpo import RankLayout
 from posttrain.grpo_update import GRPOAlgorithmConfig, GRPOUpdate
 from pretrain.runtime.loop import run_stage
-from posttrain.perf import compile_blocks, records_uncond, resolve_perf
+from posttrain.perf import compile_blocks, merge_lora_blocker, records_uncond, resolve_perf
 from posttrain.stage import PolicyStage
 from posttrain.stage_config import StageConfig
 from pretrain.data.dataset import EpochSampler
@@ -53,6 +53,9 @@ class GRPOConfig(StageConfig):
         super().validate(prefix)
         check_reward_weights(self.rewards)
         iteration_shape(self)
+        blocker = merge_lora_blocker(self.train.precision, distributed=False)  # several ranks: checked at start
+        if self.perf.merge_lora and self.policy.lora_rank > 0 and blocker:
+            raise ValueError(f"perf.merge_lora: true cannot be honoured with {blocker}; set perf.merge_lora=false")
 
 
 def iteration_shape(cfg: GRPOConfig) -> tuple[int, int, int]:
@@ -109,7 +112,7 @@ class GRPORun:
         self.cfg = cfg
         self.ranks = ranks = RankLayout.start_job(cfg.parallel)  # a no-op in one process
         ranks.check(cfg.rollout.prompts_per_step, cfg.train.batch_size, cfg.train.ema_decay)
-        self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed)
+        self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed, cfg.policy.lora_rank > 0)
         self.st = st = PolicyStage.setup(cfg, "grpo")
         ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile)
         meta, self.seed, ro = st.meta, cfg.train.seed, cfg.rollout
@@ -127,7 +130,9 @@ class GRPORun:
                 if m is not None:
                     compile_blocks(m)
         shape = {"rollout.group_size": ro.group_size, "rollout.prompts_per_step": ro.prompts_per_step,
-                 "policy.lora_rank": cfg.policy.lora_rank}
+                 # they set the optimizer steps per iteration, from which a resume counts iterations
+                 "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,
+                 "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape()}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful={"prompts": self.prompts},
                                total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)

@@ -66,7 +66,7 @@ def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: to
     new = log_prob(branches, traj, ts)
     old = traj.log_probs[:, ts].transpose(0, 1).reshape(-1)
     ref = None
-    if loss.needs_reference:
+    if getattr(loss, "needs_reference", False):
         with torch.no_grad(), policy.reference() as ref_model:
             ref = log_prob(ref_model, traj, ts)
     return loss(new, old, advantages.repeat(k), mask.repeat(k), ref)

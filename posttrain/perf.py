@@ -46,20 +46,28 @@ class PerfConfig:
             raise ValueError(f"{prefix}reward_workers: must be >= 0, got {self.reward_workers}")
 
 
-def resolve_perf(perf: PerfConfig, precision: str, distributed: bool) -> PerfConfig:
-    """``perf`` with ``merge_lora`` None resolved (on for fp32 in one process). Raises ``ConfigError``
-    naming ``perf.merge_lora`` when it is set true where it cannot hold (bf16/fp16, several ranks):
-    a setting the code cannot honour is refused, never rewritten."""
+def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
+    """Why a LoRA-merged copy cannot serve the no-grad forwards here, or None."""
+    if precision != "fp32":
+        return (f"train.precision={precision}: merged weights round differently from base + adapter, the first "
+                f"ratio would drift from 1")
+    return "several ranks: the merged copy would deep-copy FSDP2-sharded weights" if distributed else None
+
+
+def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool = True) -> PerfConfig:
+    """``perf`` with ``merge_lora`` resolved: None = on for a LoRA policy in fp32 in one process; off
+    without LoRA (nothing to merge). Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
+    true where it cannot hold (bf16/fp16, several ranks): a setting the code cannot honour is refused,
+    never rewritten."""
     from dataclasses import replace
 
     from pretrain.config import ConfigError
 
-    blocker = (f"train.precision={precision}: merged weights round differently from base + adapter, the first "
-               f"ratio would drift from 1" if precision != "fp32" else
-               "several ranks: the merged copy would deep-copy FSDP2-sharded weights" if distributed else None)
-    if perf.merge_lora and blocker:
+    blocker = merge_lora_blocker(precision, distributed)
+    if perf.merge_lora and lora and blocker:
         raise ConfigError(f"perf.merge_lora=true cannot be honoured with {blocker}; set perf.merge_lora=false")
-    return replace(perf, merge_lora=blocker is None if perf.merge_lora is None else perf.merge_lora)
+    wanted = blocker is None if perf.merge_lora is None else perf.merge_lora
+    return replace(perf, merge_lora=bool(wanted and lora))
 
 
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:

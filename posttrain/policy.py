@@ -45,6 +45,13 @@ class Policy:
             model.requires_grad_(True)
         self._merged: MergedCopy | None = None
 
+    def shape(self) -> dict:
+        """The settings a resumed run must share with its checkpoint (``{dotted config key: value}``):
+        the adapter's rank, alpha and targets set what the trained weights mean."""
+        c = self.cfg
+        return {"policy.lora_rank": c.lora_rank, "policy.lora_alpha": c.lora_alpha,
+                "policy.target_modules": None if c.target_modules is None else list(c.target_modules)}
+
     def inference_model(self, version: int) -> torch.nn.Module:
         """The policy's function for no-grad forwards (rollout, the detached CFG branch): with LoRA, a
         plain copy whose targeted weights are W + scale * B A (no adapter matmuls), refreshed whenever

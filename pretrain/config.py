@@ -3,6 +3,7 @@
 ``load_config(Schema, path, ["a.b=1", ...])`` returns a ``Schema`` instance. An unknown key, a value of
 the wrong type, a missing mandatory value or a missing/unparsable file raises ``ConfigError`` whose
 message names the dotted key and the file (or "command line" for overrides); the CLI exits with 2.
+An override ``~key.path`` removes a key of a free-form mapping (e.g. a registered part's option).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
         except OmegaConfBaseException as e:
             raise ConfigError(f"{path}: {_describe(e)}") from e
     for item in overrides:
+        if item.startswith("~"):  # ~key.path removes a key (e.g. the previous part's option)
+            _delete(cfg, item[1:].strip(), item)
+            continue
         if "=" not in item:
             raise ConfigError(f"command line: override '{item}' must look like key.path=value")
         key, _, raw = item.partition("=")
@@ -63,8 +67,22 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
     try:
         validate(obj)
     except ValueError as e:
-        raise ConfigError(f"{path or 'config'}: {e}") from e
+        where = " + ".join(([str(path)] if path is not None else []) + (["command line"] if overrides else []))
+        raise ConfigError(f"{where or 'config'}: {e}") from e
     return obj
+
+
+def _delete(cfg, key: str, item: str) -> None:
+    """Remove ``key`` (dotted) from ``cfg``: only keys of free-form mappings (a registered part's
+    options, ``rewards``) can go; ``ConfigError`` naming the override otherwise."""
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if parent is None or not OmegaConf.is_dict(parent) or leaf not in parent:
+        raise ConfigError(f"command line: '{item}': no key '{key}' to remove")
+    try:
+        del parent[leaf]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"command line: '{item}': {_describe(e)}") from e
 
 
 def load_section(schema: type[T], values: dict, key: str) -> T:

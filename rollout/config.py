@@ -51,5 +51,7 @@ class RolloutConfig:
                              f"nothing to train)")
         if not 0.0 < self.timestep_fraction <= 1.0:
             raise ValueError(f"{prefix}timestep_fraction: must be in (0, 1], got {self.timestep_fraction}")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
         if self.timestep_selection not in ("first", "random"):
             raise ValueError(f"{prefix}timestep_selection: '{self.timestep_selection}' is not one of first, random")

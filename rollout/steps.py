@@ -3,8 +3,9 @@
 A step type is a function ``step(x, velocity, sigma, sigma_next, *, noise_level, sigma_after_one,
 noise=None, prev_sample=None) -> SDEStep`` (see :func:`rollout.sde.sde_step` for the contract: float32
 math, ``log_prob`` float32 ``[B]``). The sampler records the step type's name on every Trajectory and
-the recomputation looks it up here, so sampling and training always use the same step. New step
-types (``cps``, ``ddim``, ``ode``) register with :func:`register_step` from their own file.
+the recomputation looks it up here, so sampling and training always use the same step. A new step
+type (``cps``, ``ddim``, ``ode``) is a file with its step function plus one entry in :data:`STEPS`,
+or :func:`register_step` from code of your own before the config is loaded.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ class SamplingSettings:
         return other is self or (
             (self.step, self.noise_level, self.guidance_scale, self.negative_prompt)
             == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt)
-            and torch.equal(self.sigmas, other.sigmas) and torch.equal(self.timesteps, other.timesteps))
+            and torch.equal(self.sigmas, other.sigmas) and torch.equal(self.timesteps, other.timesteps)
+            and torch.equal(self.negative.tokens.cpu(), other.negative.tokens.cpu())
+            and torch.equal(self.negative.pooled.cpu(), other.negative.pooled.cpu()))
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """Registries of the post-training algorithms' parts, chosen by name in a config.
 
 A part is a class with a nested ``Config`` dataclass (its options, each documented) and a
-constructor taking that config. It registers itself with ``@ADVANTAGES.register("name")`` (or
-``SELECTIONS`` / ``LOSSES``) in its own file; a config then selects it with
-``{name: <name>, <option>: <value>, ...}``. A new part is a new file (or a class in a user's script,
-imported before the config is loaded): no shared code changes.
+constructor taking that config. A built-in part registers itself with ``@ADVANTAGES.register("name")``
+(or ``SELECTIONS`` / ``LOSSES``) in its own file under ``posttrain/parts/`` (every module there is
+imported, so a new file needs no other edit); a config then selects it with
+``{name: <name>, <option>: <value>, ...}``. A part of your own, outside the project, is named by its
+import path, ``name: my_package.my_module:RankAdvantage`` (like rewards), or registered by your own
+script before it loads the config. No shared code changes either way.
 
 Contracts (N samples of one iteration, every tensor float32 unless said otherwise):
 
@@ -55,9 +57,13 @@ class Registry:
         import posttrain.parts  # noqa: F401  (the built-in parts register on import)
 
         name = spec.get("name")
-        if name not in self.parts:
-            raise ValueError(f"{key}.name: unknown {self.kind} '{name}'; known: {sorted(self.parts)}")
-        cls = self.parts[name]
+        if isinstance(name, str) and ":" in name and name not in self.parts:
+            cls = _import_class(name, f"{key}.name")
+        elif name not in self.parts:
+            raise ValueError(f"{key}.name: unknown {self.kind} '{name}'; known: {sorted(self.parts)} (or a "
+                             f"class of your own as module.path:ClassName)")
+        else:
+            cls = self.parts[name]
         schema = getattr(cls, "Config", NoOptions)
         options = {k: v for k, v in spec.items() if k != "name"}
         known = [f.name for f in fields(schema)]
@@ -65,8 +71,19 @@ class Registry:
             if option not in known:
                 raise ValueError(f"{key}.{option}: not an option of {self.kind} '{name}' (its options: "
                                  f"{', '.join(known) or 'none'}); when switching {key}.name, drop the previous "
-                                 f"part's options")
+                                 f"part's options (on the command line: ~{key}.{option})")
         return cls(load_section(schema, options, key))
+
+
+def _import_class(path: str, key: str) -> type:
+    """The class at ``module.path:ClassName``; ``ValueError`` naming ``key`` if it does not import."""
+    import importlib
+
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{key}: cannot import '{path}': {e}") from e
 
 
 ADVANTAGES = Registry("advantage estimator")

@@ -43,7 +43,9 @@ class Runtime:
     ``total_steps``: optimizer steps of the whole run for the LR schedule (default ``cfg.steps``;
     trainers whose ``steps`` count iterations pass it explicitly). ``shape``: ``{dotted config key:
     value}`` recorded with every checkpoint; resuming with a different value is refused
-    (``ConfigError`` naming the key and both values). The world size is always part of it."""
+    (``ConfigError`` naming the key and both values). The world size and the learning-rate settings
+    (restored with the optimizer and schedule state, so a new value would be ignored) are always part
+    of it."""
 
     def __init__(self, model: torch.nn.Module, cfg: RuntimeConfig, optim: OptimConfig, device: torch.device,
                  checkpoint_dir: str | Path, keep_last: int = 2, stateful: dict[str, Stateful] | None = None,
@@ -58,7 +60,10 @@ class Runtime:
         self.checkpoints = CheckpointManager(checkpoint_dir, keep_last)
         self.stateful = dict(stateful or {})
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        self.shape = {"world size (torchrun --nproc_per_node x --nnodes)": world, **(shape or {})}
+        # the optimizer and LR-schedule state a resume loads carry these: a changed value would be ignored
+        self.shape = {"world size (torchrun --nproc_per_node x --nnodes)": world, "optim.lr": optim.lr,
+                      "optim.schedule": optim.schedule, "optim.warmup_steps": optim.warmup_steps,
+                      "optim.min_lr_ratio": optim.min_lr_ratio, **(shape or {})}
         self.step = 0
         self.amp_overflows = 0
 

@@ -165,7 +165,10 @@ def test_resume_with_a_changed_shape_is_refused_naming_the_key(tiny_export, tmp_
 
     grpo_train(grpo_config(tmp_path, tiny_export, "train.steps=1"))
     for override, key, before, after in (("rollout.group_size=2", "rollout.group_size", "4", "2"),
-                                         ("policy.lora_rank=2", "policy.lora_rank", "4", "2")):
+                                         ("policy.lora_rank=2", "policy.lora_rank", "4", "2"),
+                                         ("policy.lora_alpha=16", "policy.lora_alpha", "8.0", "16.0"),
+                                         ("train.batch_size=16", "train.batch_size", "8", "16"),
+                                         ("optim.lr=0.01", "optim.lr", "0.003", "0.01")):
         with pytest.raises(ConfigError) as err:
             grpo_train(grpo_config(tmp_path, tiny_export, "train.steps=2", "checkpoint.resume=true", override))
         assert str(err.value).startswith(f"{key}: ") and f"written with {before}, this run has {after}" in str(err.value)

@@ -72,6 +72,19 @@ def test_grpo_trains_with_an_advantage_registered_in_a_test_file(rank_advantage,
     assert abs(read_metrics(tmp_path / "group/grpo/metrics.jsonl")[0]["loss"]) < 1e-4
 
 
+def test_a_part_named_by_import_path_needs_no_registration(tiny_export, tmp_path):
+    # a file that sets the group estimator's option: remove it with ~key when switching parts
+    with pytest.raises(ConfigError, match=r"grpo\.advantage\.clip_max: not an option of .* ~grpo\.advantage\.clip_max"):
+        grpo_config(tmp_path, tiny_export, "grpo.advantage.clip_max=5.0",
+                    "grpo.advantage.name=tests.integration.test_parts:RankAdvantage")
+    cfg = grpo_config(tmp_path, tiny_export, "grpo.advantage.clip_max=5.0", "~grpo.advantage.clip_max",
+                      "grpo.advantage.name=tests.integration.test_parts:RankAdvantage", "grpo.advantage.offset=2.0")
+    est = cfg.grpo.build().advantage
+    assert isinstance(est, RankAdvantage) and est.cfg.offset == 2.0
+    adv, _, _ = est(torch.tensor([1.0, 3.0]), {}, {}, torch.tensor([0, 0]))
+    assert adv.tolist() == [1.0, 3.0]  # ranks -1, +1, plus 2
+
+
 def test_unknown_part_names_and_options_name_the_key(tiny_export, tmp_path):
     with pytest.raises(ConfigError, match=r"grpo\.advantage\.name: unknown advantage estimator 'nope'; known: "):
         grpo_config(tmp_path, tiny_export, "grpo.advantage.name=nope")

@@ -212,14 +212,16 @@ def test_async_scoring_overlaps_the_callers_work():
 def test_settings_that_cannot_hold_are_refused_never_rewritten(tiny_export, tmp_path):
     import pytest
 
-    from posttrain.grpo import GRPORun
     from posttrain.perf import resolve_perf
     from pretrain.config import ConfigError
     from tests.conftest import dpo_config
 
-    with pytest.raises(ConfigError, match=r"^perf\.merge_lora=true cannot be honoured with train\.precision=bf16"):
-        GRPORun(grpo_config(tmp_path, tiny_export, "perf.merge_lora=true", "train.precision=bf16"))
-    assert not (tmp_path / "grpo").exists()  # refused before anything was written
+    with pytest.raises(ConfigError, match=r"perf\.merge_lora: true cannot be honoured with train\.precision=bf16"):
+        grpo_config(tmp_path, tiny_export, "perf.merge_lora=true", "train.precision=bf16")  # at load: exit 2
+    with pytest.raises(ConfigError, match=r"^perf\.merge_lora=true cannot be honoured with several ranks"):
+        resolve_perf(PerfConfig(merge_lora=True), "fp32", True)  # under torchrun, checked when the job starts
+    full = grpo_config(tmp_path, tiny_export, "perf.merge_lora=true", "train.precision=bf16", "policy.lora_rank=0")
+    assert resolve_perf(full.perf, "bf16", False, lora=False).merge_lora is False  # nothing to merge: no-op
     auto = PerfConfig()
     assert auto.merge_lora is None
     assert (resolve_perf(auto, "fp32", False).merge_lora, resolve_perf(auto, "bf16", False).merge_lora,
