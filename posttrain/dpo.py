@@ -237,10 +237,9 @@ class DPORun:
 
     def __init__(self, cfg: DPOConfig):
         self.cfg = cfg
-        self.ranks = ranks = StageRanks.start_job(cfg.parallel)  # a no-op in one process
-        ranks.refuse_ema(cfg.train.ema_decay)
-        ranks.require_divisible("train.batch_size", cfg.train.batch_size,
-                                "pairs per global micro-batch; each rank trains its contiguous share")
+        self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
+            cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
+            "pairs per global micro-batch; each rank trains its contiguous share")
         self.st = st = PolicyStage.setup(cfg, "dpo")
         n_trainable = count_parameters(st.model, trainable_only=True)
         ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile)

@@ -139,10 +139,9 @@ class PretrainRun:
 
     def __init__(self, cfg: PretrainConfig):
         self.cfg = cfg
-        self.ranks = ranks = JobRanks.start_job(cfg.parallel)  # a no-op in one process
-        ranks.refuse_ema(cfg.train.ema_decay)
-        ranks.require_divisible("train.batch_size", cfg.train.batch_size,
-                                "the global micro-batch; each rank trains its contiguous share")
+        self.ranks = ranks = JobRanks.start_batch_job(  # a no-op in one process
+            cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
+            "the global micro-batch; each rank trains its contiguous share")
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = device = ranks.device if ranks.distributed else resolve_device(cfg.train.device)

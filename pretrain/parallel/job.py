@@ -49,6 +49,16 @@ class JobRanks:
         sharded = world > 1 or (parallel.always_shard and dist.is_initialized())
         return cls(parallel.dims().build_mesh(device.type) if sharded else None, device, **fields)
 
+    @classmethod
+    def start_batch_job(cls, parallel: ParallelConfig, ema_decay: float, batch_size: int, why: str):
+        """:meth:`start_job`, then the checks of a trainer whose global micro-batch ``train.batch_size``
+        is split over the data-parallel ranks (``why``: what one rank trains): :meth:`refuse_ema` and
+        :meth:`require_divisible` (``ConfigError`` naming the key)."""
+        ranks = cls.start_job(parallel)
+        ranks.refuse_ema(ema_decay)
+        ranks.require_divisible("train.batch_size", batch_size, why)
+        return ranks
+
     # -- who am I --------------------------------------------------------------------------------
     @property
     def distributed(self) -> bool:
