@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                 trees.append(tree)
             rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip()
-            print(f"{label}: {ref or 'working tree'} ({rev}{', with uncommitted changes' if tree == ROOT else ''})",
-                  flush=True)
+            dirty = tree == ROOT and subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
+                                                    capture_output=True, text=True).stdout.strip()
+            print(f"{label}: {ref or 'working tree'} ({rev}{', with uncommitted changes' if dirty else ''})", flush=True)
             results[label] = run_all(tree, work / f"runs_{label.lower()}", pairs, cache)
         ok = compare(results["REF"], results["HEAD"], allow)
     finally:
