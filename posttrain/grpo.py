@@ -176,7 +176,7 @@ class GRPORun:
         t1 = time.perf_counter()
         total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
         adv, valid, zero = parts.advantage(total, raw, self.rewards.weights, group_ids)
-        mask = parts.selection(adv, valid, zero, group_ids)
+        mask = parts.selection(total, adv, valid, zero, group_ids)
         adv, mask = self.ranks.local(adv, ro.group_size), self.ranks.local(mask, ro.group_size)
         t2 = time.perf_counter()
         stats = self.update(st.policy, self.rt, traj, adv.to(st.device), mask.to(st.device),

@@ -23,6 +23,6 @@ class AllSamples:
     def __init__(self, cfg: "AllSamples.Config"):
         self.cfg = cfg
 
-    def __call__(self, advantages: torch.Tensor, valid: torch.Tensor, zero_spread: torch.Tensor,
+    def __call__(self, total: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, zero_spread: torch.Tensor,
                  group_ids: torch.Tensor) -> torch.Tensor:
         return valid & ~zero_spread if self.cfg.drop_zero_spread_groups else valid

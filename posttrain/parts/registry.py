@@ -12,8 +12,8 @@ Contracts (N samples of one iteration, every tensor float32 unless said otherwis
 
 - advantage estimator: ``part(total [N], raw {reward: [N]}, weights {reward: w}, group_ids long [N])
   -> (advantages [N], valid bool [N], zero_spread bool [N])``; NaN rewards are not valid and get 0.
-- sample selection: ``part(advantages, valid, zero_spread, group_ids) -> mask bool [N]``, the samples
-  trained this iteration.
+- sample selection: ``part(total, advantages, valid, zero_spread, group_ids) -> mask bool [N]``, the
+  samples trained this iteration (``total``: the weighted reward, NaN allowed).
 - policy loss: ``part(new, old_log_prob [k], advantages [k], mask bool [k], ref) -> (loss scalar, stats)``
   over k rows of transitions, ``new``/``ref`` the recomputed steps (:class:`rollout.sde.SDEStep`) of
   the policy and of the reference model; ``ref`` is None unless the part's ``needs_reference`` is true.

@@ -124,3 +124,21 @@ def test_per_reward_advantages_are_scale_free_and_skip_nan():
     torch.testing.assert_close(scaled, adv, atol=1e-3, rtol=0)  # scale-free up to the 1e-4 in (std + 1e-4)
     summed = group_advantages(weighted_sum({"a": a * 1000.0, "b": b}, w), groups)[0]
     assert (summed - adv).abs().max() > 0.1  # unlike the weighted sum before advantages
+
+
+def test_best_of_n_keeps_the_best_and_worst_k_of_each_group():
+    from posttrain.parts.registry import SELECTIONS
+
+    sel = SELECTIONS.build({"name": "best_of_n", "k": 1}, "grpo.selection")
+    total = torch.tensor([0.3, 0.9, 0.1, 0.5, float("nan"), 2.0, 1.0, 1.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    valid = torch.isfinite(total)
+    zero = torch.zeros(8, dtype=torch.bool)
+    mask = sel(total, torch.zeros(8), valid, zero, groups)
+    # group 0: best 0.9 (1), worst 0.1 (2); group 1: NaN never trained, best 2.0 (5), worst 1.0 (6)
+    assert mask.tolist() == [False, True, True, False, False, True, True, False]
+    wide = SELECTIONS.build({"name": "best_of_n", "k": 2}, "grpo.selection")(total, torch.zeros(8), valid, zero, groups)
+    assert wide.tolist() == [True, True, True, True, False, True, True, True]  # 2k >= group: all valid kept
+    dropped = SELECTIONS.build({"name": "best_of_n", "drop_zero_spread_groups": True}, "grpo.selection")(
+        total, torch.zeros(8), valid, groups == 1, groups)
+    assert dropped.tolist() == [False, True, True, False, False, False, False, False]
