@@ -22,8 +22,8 @@ class GRPOAlgorithmConfig:
     """The ``grpo:`` block. ``advantage``, ``selection`` and ``loss`` each name a registered part and
     give its options (:mod:`posttrain.parts.registry`): built in are advantages ``group`` (``clip_max``)
     and ``per_reward`` (DanceGRPO), selections ``all`` (``drop_zero_spread_groups``) and ``best_of_n``
-    (``k``; DanceGRPO), loss
-    ``ppo_clip_kl`` (``clip_range``, ``beta``). ``inner_epochs``: passes over the buffer per iteration;
+    (``k``; DanceGRPO), loss ``ppo_clip_kl`` (``clip_range``, ``beta``). ``inner_epochs``: passes over
+    the buffer per iteration;
     ``detach_uncond``: no gradient through the unconditional CFG branch (default; false = flow_grpo's
     behaviour, gradients through both branches; the loss value is the same either way)."""
 
