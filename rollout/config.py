@@ -12,7 +12,8 @@ class RolloutConfig:
     """Sampler settings, recorded on every Trajectory and read back when log-probs are recomputed:
 
     - ``step``: the step type (:mod:`rollout.steps`; ``sde`` = Flow-GRPO's SDE, Liu et al. 2025,
-      arXiv 2505.05470, eq. 9-10);
+      arXiv 2505.05470, eq. 9-10; ``cps`` = Coefficients-Preserving Sampling, Wang et al. 2025,
+      arXiv 2509.05952, ``noise_level`` in (0, 1], flow_grpo uses 0.8);
     - ``num_inference_steps`` (Flow-GRPO trains with 10) and ``shift`` of the sigma schedule (None =
       the export's sampling shift);
     - ``noise_level`` (0.7; 0 would be the ODE: no log-prob, nothing to train);
@@ -42,7 +43,9 @@ class RolloutConfig:
     def validate(self, prefix: str = "") -> None:
         from rollout.steps import get_step
 
-        get_step(self.step, f"{prefix}step")
+        limit = getattr(get_step(self.step, f"{prefix}step"), "noise_level_max", None)
+        if limit is not None and self.noise_level > limit:
+            raise ValueError(f"{prefix}noise_level: step '{self.step}' takes at most {limit}, got {self.noise_level}")
         require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
         if self.group_size < 2:
             raise ValueError(f"{prefix}group_size: must be >= 2 (group advantages of one sample are 0)")

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+from rollout.cps import cps_step
 from rollout.sde import sde_step
 
-STEPS: dict[str, Callable] = {"sde": sde_step}
+#: ``sde``: Flow-GRPO's SDE (Liu et al. 2025); ``cps``: Coefficients-Preserving Sampling (Wang et al. 2025).
+#: A step function may set ``noise_level_max``, checked when the config loads.
+STEPS: dict[str, Callable] = {"sde": sde_step, "cps": cps_step}
 
 
 def register_step(name: str, fn: Callable) -> None:
