@@ -5,7 +5,7 @@ trajectory recorded; this module only decides how the CFG branches are computed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 import torch
@@ -34,9 +34,15 @@ class GRPOAlgorithmConfig:
     loss: dict[str, Any] = field(default_factory=lambda: {"name": "ppo_clip_kl"})
 
     def validate(self, prefix: str = "") -> None:
+        """Checks the parts' names and options, and fills in each part's defaults, so the run's saved
+        ``config.yaml`` records every option the parts ran with."""
         if self.inner_epochs < 1:
             raise ValueError(f"{prefix}inner_epochs: must be >= 1")
-        self.build(prefix)
+        parts = self.build(prefix)
+        for key in ("advantage", "selection", "loss"):
+            options = getattr(getattr(parts, key), "cfg", None)
+            if is_dataclass(options):
+                setattr(self, key, {"name": getattr(self, key)["name"], **asdict(options)})
 
     def build(self, prefix: str = "grpo.") -> "GRPOParts":
         """The registered parts this block names; ``ValueError`` naming the key of a bad name or option."""
