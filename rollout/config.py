@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pretrain.config import require_positive
+from rollout.window import WindowConfig
 
 
 @dataclass
@@ -23,7 +24,10 @@ class RolloutConfig:
       (DanceGRPO, Xue et al. 2025, arXiv 2505.07818), so rewards within a group differ only through
       the SDE noise the log-probs credit;
     - which transitions are trained: ``timestep_fraction`` of them, ``timestep_selection`` "first"
-      (Flow-GRPO: 0.99 of 10 trains 9) or "random" (one random subset per iteration, DanceGRPO).
+      (Flow-GRPO: 0.99 of 10 trains 9) or "random" (one random subset per iteration, DanceGRPO);
+    - ``sde_window`` (:class:`rollout.window.WindowConfig`): which transitions are stochastic. With a
+      window, only its transitions are stochastic and trained (``timestep_fraction`` does not apply,
+      ``timestep_selection: random`` is refused); the others take the deterministic step.
 
     Batch: ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a time."""
 
@@ -39,6 +43,7 @@ class RolloutConfig:
     timestep_fraction: float = 0.99
     timestep_selection: str = "first"
     shared_initial_noise: bool = False
+    sde_window: WindowConfig = field(default_factory=WindowConfig)
 
     def validate(self, prefix: str = "") -> None:
         from rollout.steps import get_step
@@ -58,3 +63,7 @@ class RolloutConfig:
             raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
         if self.timestep_selection not in ("first", "random"):
             raise ValueError(f"{prefix}timestep_selection: '{self.timestep_selection}' is not one of first, random")
+        self.sde_window.check(self.num_inference_steps, f"{prefix}sde_window.")
+        if self.sde_window.size and self.timestep_selection != "first":
+            raise ValueError(f"{prefix}timestep_selection: with an sde_window the window's transitions are "
+                             f"trained; '{self.timestep_selection}' does not apply")

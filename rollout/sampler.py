@@ -10,6 +10,7 @@ v = cfg_combine(v_cond, v_uncond, guidance_scale) (Ho & Salimans 2022), then
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -52,9 +53,18 @@ class Sampler:
     def num_steps(self) -> int:
         return len(self.settings.sigmas) - 1
 
+    def settings_for(self, seed: int, iteration: int) -> SamplingSettings:
+        """The settings of ``iteration``: ``self.settings`` with that iteration's SDE window."""
+        window = self.cfg.sde_window.bounds(self.num_steps, seed, iteration)
+        return self.settings if window is None else dataclasses.replace(self.settings, window=window)
+
     def train_transitions(self, seed: int, iteration: int) -> list[int]:
-        """The transitions trained this iteration (``timestep_fraction`` / ``timestep_selection``;
-        a random subset is drawn from (seed, "train", iteration))."""
+        """The transitions trained this iteration: the SDE window's, or without one
+        ``timestep_fraction`` / ``timestep_selection`` (a random subset is drawn from (seed, "train",
+        iteration))."""
+        window = self.cfg.sde_window.bounds(self.num_steps, seed, iteration)
+        if window is not None:
+            return list(range(*window))
         return train_timesteps(self.num_steps, self.cfg.timestep_fraction, self.cfg.timestep_selection,
                                generator_for(seed, "train", iteration))
 
@@ -67,7 +77,7 @@ class Sampler:
         ``sample_ids``, the global indices) times ``model.initial_scale(sigmas[0])``.
         ``record_uncond``: keep the unconditional branch's velocities (``Trajectory.uncond_velocities``,
         with CFG only) so that training before the first optimizer step may reuse them."""
-        s = self.settings
+        s = self.settings_for(seed, iteration)
         x, z = rollout_noise(latent_shape, self.num_steps, seed, iteration, sample_ids, shared_group_size)
         x, z = x.to(device) * model.initial_scale(float(s.sigmas[0])), z.to(device)
         embeds, null, sig = embeds.to(device), s.negative.to(device), s.sigmas.to(device)
@@ -82,7 +92,7 @@ class Sampler:
                 uncond[:, t] = v_uncond
             else:
                 v = guided_velocity(model, x, sigma, embeds, null, s.guidance_scale)
-            out = self.step(x, v, sig[t], sig[t + 1], noise_level=s.noise_level, sigma_after_one=sig[1],
+            out = self.step(x, v, sig[t], sig[t + 1], noise_level=s.noise_level_at([t]), sigma_after_one=sig[1],
                             noise=z[:, t])
             x = out.prev_sample
             latents.append(x)
@@ -146,5 +156,5 @@ def log_prob(branches, traj: Trajectory, transitions: int | list[int]):
     recorded = None if traj.uncond_velocities is None else (lambda: transition_major(traj.uncond_velocities)(idx))
     v_cond, v_uncond = branches(x, sigma, embeds, s.negative.to(dev) if s.guidance_scale != 1.0 else None, recorded)
     v = v_cond if v_uncond is None else cfg_combine(v_cond, v_uncond, s.guidance_scale)
-    return get_step(s.step)(x, v, sigma, sigma_next, noise_level=s.noise_level, sigma_after_one=sig[1],
+    return get_step(s.step)(x, v, sigma, sigma_next, noise_level=s.noise_level_at(ts), sigma_after_one=sig[1],
                             prev_sample=prev)

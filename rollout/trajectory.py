@@ -17,7 +17,8 @@ class SamplingSettings:
     schedule walked; ``timesteps``: float32 ``[T]``, the timestep the denoiser received at each
     transition (the adapter's convention, e.g. sigma * 1000 for SD3; the sigmas where the adapter
     declares none); ``noise_level``; ``guidance_scale``; ``negative``: the negative-prompt embedding
-    ``[1, ...]`` of the unconditional branch and ``negative_prompt`` its text."""
+    ``[1, ...]`` of the unconditional branch and ``negative_prompt`` its text; ``window``: the SDE
+    window [lo, hi) of this iteration (None: every transition stochastic)."""
 
     step: str
     sigmas: torch.Tensor
@@ -26,12 +27,23 @@ class SamplingSettings:
     guidance_scale: float
     negative: PromptEmbeds
     negative_prompt: str = ""
+    window: tuple[int, int] | None = None
+
+    def noise_level_at(self, transitions: list[int]) -> float:
+        """The noise level of ``transitions``: ``noise_level`` inside the SDE ``window`` (all of them
+        when there is none), 0 (the deterministic step) outside. ``ValueError`` for a mix."""
+        if self.window is None:
+            return self.noise_level
+        inside = {self.window[0] <= t < self.window[1] for t in transitions}
+        if len(inside) > 1:
+            raise ValueError(f"transitions {transitions} mix the SDE window {self.window} and deterministic steps")
+        return self.noise_level if inside.pop() else 0.0
 
     def same_as(self, other: "SamplingSettings") -> bool:
         """True when ``other`` records the same step, schedule, noise level, guidance and negative prompt."""
         return other is self or (
-            (self.step, self.noise_level, self.guidance_scale, self.negative_prompt)
-            == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt)
+            (self.step, self.noise_level, self.guidance_scale, self.negative_prompt, self.window)
+            == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt, other.window)
             and torch.equal(self.sigmas, other.sigmas) and torch.equal(self.timesteps, other.timesteps)
             and torch.equal(self.negative.tokens.cpu(), other.negative.tokens.cpu())
             and torch.equal(self.negative.pooled.cpu(), other.negative.pooled.cpu()))

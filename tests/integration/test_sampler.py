@@ -88,3 +88,58 @@ def test_grpo_trains_with_the_cps_step(tiny_export, tmp_path):
     rec = read_metrics(tmp_path / "grpo/metrics.jsonl")[0]
     assert rec["ratio_min"] > 1 - 1e-5 and rec["ratio_max"] < 1 + 1e-5 and rec["grad_norm"] > 0
     assert (tmp_path / "grpo/export/posttrain.json").is_file()
+
+
+def test_sde_window_outside_is_deterministic_and_untrained(tiny_export):
+    from pretrain.export import load_exported
+    from rollout.window import WindowConfig
+
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    _, encoder, _, _ = load_exported(tiny_export)
+    shape = (codec.channels, meta["image_size"], meta["image_size"])
+    model.eval()
+    run = dict(latent_shape=shape, seed=0, iteration=0, device="cpu")
+    plain = _sampler(model, encoder).rollout(model, codec, train, [0, 1], **run)
+    full = _sampler(model, encoder, sde_window=WindowConfig(size=STEPS)).rollout(model, codec, train, [0, 1], **run)
+    assert torch.equal(full.latents, plain.latents) and torch.equal(full.log_probs, plain.log_probs)  # bitwise
+    sampler = _sampler(model, encoder, sde_window=WindowConfig(size=2, start=2))
+    traj = sampler.rollout(model, codec, train, [0, 1], **run)
+    assert traj.settings.window == (2, 4) and sampler.train_transitions(0, 0) == [2, 3]
+    assert (traj.log_probs[:, [0, 1, 4, 5]] == 0).all() and (traj.log_probs[:, 2:4] != 0).all()
+    assert torch.equal(traj.latents[:, 0], plain.latents[:, 0])  # the same initial noise
+    later = _sampler(model, encoder, sde_window=WindowConfig(size=2, start=4)).rollout(model, codec, train, [0, 1],
+                                                                                       **run)
+    assert torch.equal(traj.latents[:, :3], later.latents[:, :3])  # deterministic before either window
+    assert not torch.equal(traj.latents[:, 3], later.latents[:, 3])
+    with torch.no_grad():
+        for t in range(STEPS):  # recomputed from the recorded window: ratio 1 inside, log-prob 0 outside
+            assert (log_prob(model, traj, t).log_prob - traj.log_probs[:, t]).abs().max() <= 1e-5, t
+        with pytest.raises(ValueError, match="mix the SDE window"):
+            log_prob(model, traj, [1, 2])
+
+
+def test_window_modes_move_as_configured():
+    from rollout.window import WindowConfig
+
+    fast = WindowConfig(size=3, min_size=1, mode="random", start=0, end=5)  # Flow-GRPO-Fast: 1-3 steps, first half
+    seen = {fast.bounds(10, 0, it) for it in range(200)}
+    assert all(0 <= lo < hi <= 5 and 1 <= hi - lo <= 3 for lo, hi in seen) and len(seen) > 5
+    assert fast.bounds(10, 0, 7) == fast.bounds(10, 0, 7)  # keyed by (seed, iteration): a resume redraws it
+    mix = WindowConfig(size=4, mode="progressive", every=25, end=25)  # MixGRPO: 4 of 25, moved every 25
+    assert [mix.bounds(25, 0, it) for it in (0, 24, 25, 50, 21 * 25, 22 * 25)] == [
+        (0, 4), (0, 4), (1, 5), (2, 6), (21, 25), (0, 4)]
+    with pytest.raises(ValueError, match=r"rollout\.sde_window\.size: a window of 4 from start 8"):
+        RolloutConfig(num_inference_steps=10, sde_window=WindowConfig(size=4, start=8)).validate("rollout.")
+
+
+def test_a_window_covering_every_transition_is_plain_flow_grpo(tiny_export, tmp_path):
+    from posttrain.grpo import train as grpo_train
+    from pretrain.runtime.metrics import read_metrics
+    from tests.conftest import grpo_config
+
+    recs = {}
+    for name, extra in (("plain", []), ("window", ["rollout.sde_window.size=6"])):
+        grpo_train(grpo_config(tmp_path / name, tiny_export, "rollout.timestep_fraction=1.0", "train.steps=2", *extra))
+        recs[name] = [{k: v for k, v in r.items() if not k.startswith(("time_", "samples_per_s", "peak_rss"))}
+                      for r in read_metrics(tmp_path / name / "grpo/metrics.jsonl")]
+    assert recs["window"] == recs["plain"] and len(recs["plain"]) == 2
