@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from rollout.sde import SDEStep, gaussian_log_prob
+from rollout.sde import SDEStep, gaussian_transition
 
 
 def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [B] -> [B, 1, ...]
@@ -42,13 +42,8 @@ def cps_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma
     s, sn = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
     x0_hat, x1_hat = x32 - s * v32, x32 + (1 - s) * v32
     mean = (1 - sn) * x0_hat + _per_sample(torch.sqrt((sigma_next ** 2 - std ** 2).clamp(min=0.0)), x32) * x1_hat
-    if prev_sample is None:
-        if noise is None:
-            if bool((std > 0).any()):
-                raise ValueError("cps_step: pass `noise` to sample or `prev_sample` to evaluate")
-            noise = torch.zeros_like(x32)
-        prev_sample = mean + _per_sample(std, x32) * noise.float()
-    return SDEStep(prev_sample, gaussian_log_prob(prev_sample, mean, std), mean, std, std)
+    prev_sample, log_prob = gaussian_transition(mean, std, noise, prev_sample, "cps_step")
+    return SDEStep(prev_sample, log_prob, mean, std, std)
 
 
 cps_step.noise_level_max = 1.0  # sin(noise_level * pi / 2) must not pass 1

@@ -55,6 +55,21 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return torch.where(std > 0, lp.flatten(1).mean(1), torch.zeros_like(std))
 
 
+def gaussian_transition(mean: torch.Tensor, step_std: torch.Tensor, noise: torch.Tensor | None,
+                        prev_sample: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next state, its log-prob ``[B]``) of a Gaussian transition N(mean, step_std^2) (``mean`` float32
+    ``[B, ...]``, ``step_std`` float32 ``[B]``): ``prev_sample`` when given (evaluation), else
+    mean + step_std * noise. ``ValueError`` naming the step ``name`` when neither is given while the
+    step is stochastic."""
+    if prev_sample is None:
+        if noise is None:
+            if bool((step_std > 0).any()):
+                raise ValueError(f"{name}: pass `noise` to sample or `prev_sample` to evaluate")
+            noise = torch.zeros_like(mean)
+        prev_sample = mean + _b(step_std, mean) * noise.float()
+    return prev_sample, gaussian_log_prob(prev_sample, mean, step_std)
+
+
 def sde_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, *,
              noise_level: float, sigma_after_one: torch.Tensor | float,
              noise: torch.Tensor | None = None, prev_sample: torch.Tensor | None = None) -> SDEStep:
@@ -77,10 +92,5 @@ def sde_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma
     s, d = _b(sigma, x32), _b(dt, x32)
     mean = x32 + v32 * d + (_b(std_dev_t, x32) ** 2 / (2 * s)) * (x32 + (1 - s) * v32) * d
     step_std = std_dev_t * torch.sqrt(-dt)
-    if prev_sample is None:
-        if noise is None:
-            if bool((step_std > 0).any()):
-                raise ValueError("sde_step: pass `noise` to sample or `prev_sample` to evaluate")
-            noise = torch.zeros_like(x32)
-        prev_sample = mean + _b(step_std, x32) * noise.float()
-    return SDEStep(prev_sample, gaussian_log_prob(prev_sample, mean, step_std), mean, std_dev_t, step_std)
+    prev_sample, log_prob = gaussian_transition(mean, step_std, noise, prev_sample, "sde_step")
+    return SDEStep(prev_sample, log_prob, mean, std_dev_t, step_std)
