@@ -280,7 +280,7 @@ class DPORun:
 
     def resample(self, step: int) -> dict:
         """A new round of online pairs from the current policy (every ``online.resample_every`` steps)."""
-        cfg, st, on = self.cfg, self.st, self.cfg.online
+        st, on = self.st, self.cfg.online
         st.model.eval()
         with self.rt.autocast():
             fresh, metrics = online_pairs(st.model, st.codec, st.train_set, self.prompts.next(on.prompts_per_round),

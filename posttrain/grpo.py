@@ -125,7 +125,7 @@ class GRPORun:
         self.rewards = CompositeReward(cfg.rewards)
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
-            merged = st.policy.inference_model(-1) if self.perf.merge_lora and st.policy.lora else None
+            merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
                 if m is not None:
                     compile_blocks(m)

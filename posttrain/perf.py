@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain.parallel.fsdp import apply_compile
+
 
 
 @dataclass
@@ -86,6 +88,5 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
     for key in ("recompile_limit", "cache_size_limit"):
         if hasattr(dyn, key):
             setattr(dyn, key, max(getattr(dyn, key), 64))
-    for block in model.blocks():
-        block.compile()
+    apply_compile(model)
     return model

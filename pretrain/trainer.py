@@ -12,16 +12,16 @@ import torch
 
 from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import save_config
-from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets
+from pretrain.data.dataset import EpochSampler, build_datasets
 from pretrain.export import export_model
-from pretrain.models import ModelConfig, arch_of, build_backbone, count_parameters
+from pretrain.models import arch_of, build_backbone, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise, pretrain_loss
-from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.job import JobRanks
-from pretrain.runtime.config import CheckpointConfig, OptimConfig, RuntimeConfig, WandbConfig
+from pretrain.run_config import RunConfig
+from pretrain.runtime.config import RuntimeConfig
 from pretrain.runtime.loop import run_stage
 from pretrain.runtime.metrics import MetricsLogger
-from pretrain.runtime.profiling import ProfileConfig, StepProfiler
+from pretrain.runtime.profiling import StepProfiler
 from pretrain.runtime.runtime import Runtime, resolve_device
 from pretrain.seeding import seed_for
 from pretrain.evaluation import heldout_loss, write_grid
@@ -46,7 +46,7 @@ class PretrainEvalConfig:
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(RunConfig):
     """Everything `posttrain pretrain` reads; outputs go to ``<run_dir>/pretrain/``. ``train.batch_size``
     is the global micro-batch: under ``torchrun`` each data-parallel rank takes its contiguous share
     (``batch_size / dp``) of every micro-batch; ``parallel``: degrees and FSDP2 options. A step is one
@@ -54,18 +54,10 @@ class PretrainConfig:
     checkpoint folders count them); ``profile.steps``: steps to trace (``<run>/pretrain/profile/``)."""
 
     run_dir: str = "runs/pretrain"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: RuntimeConfig = field(default_factory=RuntimeConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: PretrainEvalConfig = field(default_factory=PretrainEvalConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self, prefix: str = "") -> None:
         if self.data.size < 1:

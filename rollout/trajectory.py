@@ -41,12 +41,14 @@ class SamplingSettings:
 
     def same_as(self, other: "SamplingSettings") -> bool:
         """True when ``other`` records the same step, schedule, noise level, guidance and negative prompt."""
+        def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # settings of one sampler share their tensors
+            return a is b or torch.equal(a.cpu(), b.cpu())
+
         return other is self or (
             (self.step, self.noise_level, self.guidance_scale, self.negative_prompt, self.window)
             == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt, other.window)
-            and torch.equal(self.sigmas, other.sigmas) and torch.equal(self.timesteps, other.timesteps)
-            and torch.equal(self.negative.tokens.cpu(), other.negative.tokens.cpu())
-            and torch.equal(self.negative.pooled.cpu(), other.negative.pooled.cpu()))
+            and same(self.sigmas, other.sigmas) and same(self.timesteps, other.timesteps)
+            and same(self.negative.tokens, other.negative.tokens) and same(self.negative.pooled, other.negative.pooled))
 
 
 @dataclass
