@@ -134,7 +134,7 @@ class GRPORun:
                  "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,
                  "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape()}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts},
+                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, **self.parts.stateful()},
                                total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)
         resumed = rt.start(cfg.checkpoint.resume)
         self.step = rt.step // self.opt_per_iter
@@ -166,7 +166,8 @@ class GRPORun:
         model, codec = self.sampling_model().eval(), TimedCodec(st.codec)
         st.model.eval()
         # every rank draws the same prompts and samples its share, noise keyed by global sample index
-        mine, offset = self.ranks.prompt_share(self.prompts.next(ro.prompts_per_step), ro.group_size)
+        picked = self.prompts.next(ro.prompts_per_step)
+        mine, offset = self.ranks.prompt_share(picked, ro.group_size)
         with self.rt.autocast():  # the same precision as the update, so the ratio starts at 1
             traj = self.sampler.rollout(
                 model, codec, st.train_set, mine, latent_shape=self.latent_shape, seed=seed, iteration=it,
@@ -175,7 +176,8 @@ class GRPORun:
                 record_uncond=records_uncond(self.perf, cfg.grpo.detach_uncond, ro.guidance_scale))
         t1 = time.perf_counter()
         total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
-        adv, valid, zero = parts.advantage(total, raw, self.rewards.weights, group_ids)
+        adv, valid, zero = parts.advantage(total, raw, self.rewards.weights, group_ids,
+                                           torch.as_tensor(picked, dtype=torch.long)[group_ids])
         mask = parts.selection(total, adv, valid, zero, group_ids)
         adv, mask = self.ranks.local(adv, ro.group_size), self.ranks.local(mask, ro.group_size)
         t2 = time.perf_counter()

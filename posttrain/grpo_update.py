@@ -21,7 +21,8 @@ from rollout.trajectory import Trajectory
 class GRPOAlgorithmConfig:
     """The ``grpo:`` block. ``advantage``, ``selection`` and ``loss`` each name a registered part and
     give its options (:mod:`posttrain.parts.registry`): built in are advantages ``group`` (``clip_max``)
-    and ``per_reward`` (DanceGRPO), selections ``all`` (``drop_zero_spread_groups``) and ``best_of_n``
+    ``per_reward`` (DanceGRPO) and ``per_prompt`` (DDPO's per-prompt stat tracking: ``buffer_size``,
+    ``min_count``, ``clip_max``), selections ``all`` (``drop_zero_spread_groups``) and ``best_of_n``
     (``k``; DanceGRPO), loss ``ppo_clip_kl`` (``clip_range``, ``beta``). ``inner_epochs``: passes over
     the buffer per iteration;
     ``detach_uncond``: no gradient through the unconditional CFG branch (default; false = flow_grpo's
@@ -60,6 +61,10 @@ class GRPOParts:
     advantage: Any
     selection: Any
     loss: Any
+
+    def stateful(self) -> dict:
+        """The parts that keep state across iterations (they have ``state_dict``), by checkpoint key."""
+        return {f"grpo.{k}": p for k, p in vars(self).items() if hasattr(p, "state_dict")}
 
 
 def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: torch.Tensor, mask: torch.Tensor,

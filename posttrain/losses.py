@@ -1,9 +1,10 @@
 """GRPO losses: PPO-clip on per-transition log-prob ratios and the KL to the reference policy.
 
 PPO-clip: Schulman et al. 2017 (arXiv 1707.06347, eq. 7), as Flow-GRPO applies it per denoising
-transition (arXiv 2505.05470, eq. 8). KL: Flow-GRPO's implementation form, the per-element mean of
-(mu_theta - mu_ref)^2 / (2 std_dev_t^2) (the paper's eq. additionally divides by |dt|; we follow the
-implementation so published beta values carry over).
+transition (arXiv 2505.05470, eq. 8). KL: the exact KL between the policy's and the reference's
+Gaussian transitions N(mu, std^2), averaged over elements: (mu_theta - mu_ref)^2 / (2 std^2), with std the
+transition's own std (the one its noise is drawn with: std_dev_t * sqrt(|dt|) for Flow-GRPO's SDE, as the
+paper's KL and flow_grpo's implementation take it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     return loss, stats
 
 
-def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std_dev_t: torch.Tensor) -> torch.Tensor:
-    """float32 ``[B]``: per-element mean of (mean - ref_mean)^2 / (2 std_dev_t^2); ``std_dev_t`` ``[B]``."""
+def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, step_std: torch.Tensor) -> torch.Tensor:
+    """float32 ``[B]``: per-element mean of (mean - ref_mean)^2 / (2 step_std^2), the KL between
+    N(mean, step_std^2) and N(ref_mean, step_std^2) per element; ``mean``/``ref_mean`` ``[B, ...]``,
+    ``step_std`` ``[B]`` (> 0: only stochastic transitions are trained)."""
     sq = (mean.float() - ref_mean.float()).square().flatten(1).mean(1)
-    return sq / (2 * std_dev_t.float().square())
+    return sq / (2 * step_std.float().square())

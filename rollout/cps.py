@@ -27,6 +27,23 @@ def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [B] -> 
     return t.reshape(t.shape + (1,) * (like.ndim - t.ndim))
 
 
+def preserving_transition(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                          std: torch.Tensor, *, noise: torch.Tensor | None, prev_sample: torch.Tensor | None,
+                          name: str) -> SDEStep:
+    """The Gaussian transition N(mean, std^2) with mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2)
+    x1_hat (x0_hat = x - sigma v, x1_hat = x + (1 - sigma) v): the next state keeps the schedule's
+    coefficient 1 - sigma_next on x0 and total noise sigma_next (CPS and DDIM differ only in ``std``).
+    ``x``, ``velocity`` ``[B, ...]`` (math in float32); ``sigma``, ``sigma_next``, ``std`` float32 ``[B]``
+    with 0 <= std <= sigma_next. Result as :func:`rollout.sde.sde_step`, ``std_dev_t`` = ``step_std`` =
+    ``std``; ``ValueError`` naming ``name`` without ``noise`` or ``prev_sample`` while std > 0."""
+    x32, v32 = x.float(), velocity.float()
+    s, sn = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
+    x0_hat, x1_hat = x32 - s * v32, x32 + (1 - s) * v32
+    mean = (1 - sn) * x0_hat + _per_sample(torch.sqrt((sigma_next ** 2 - std ** 2).clamp(min=0.0)), x32) * x1_hat
+    prev_sample, log_prob = gaussian_transition(mean, std, noise, prev_sample, name)
+    return SDEStep(prev_sample, log_prob, mean, std, std)
+
+
 def cps_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, *,
              noise_level: float, sigma_after_one: torch.Tensor | float = 0.0,
              noise: torch.Tensor | None = None, prev_sample: torch.Tensor | None = None) -> SDEStep:
@@ -35,15 +52,11 @@ def cps_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma
     is unused: CPS never divides by 1 - sigma). ``noise_level`` in [0, 1]. Raises ``ValueError`` if
     neither ``noise`` nor ``prev_sample`` is given while the step is stochastic."""
     b = x.shape[0]
-    x32, v32 = x.float(), velocity.float()
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
     sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device).expand(b)
     std = sigma_next * math.sin(noise_level * math.pi / 2)
-    s, sn = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
-    x0_hat, x1_hat = x32 - s * v32, x32 + (1 - s) * v32
-    mean = (1 - sn) * x0_hat + _per_sample(torch.sqrt((sigma_next ** 2 - std ** 2).clamp(min=0.0)), x32) * x1_hat
-    prev_sample, log_prob = gaussian_transition(mean, std, noise, prev_sample, "cps_step")
-    return SDEStep(prev_sample, log_prob, mean, std, std)
+    return preserving_transition(x, velocity, sigma, sigma_next, std, noise=noise, prev_sample=prev_sample,
+                                 name="cps_step")
 
 
 cps_step.noise_level_max = 1.0  # sin(noise_level * pi / 2) must not pass 1

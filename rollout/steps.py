@@ -4,7 +4,7 @@ A step type is a function ``step(x, velocity, sigma, sigma_next, *, noise_level,
 noise=None, prev_sample=None) -> SDEStep`` (see :func:`rollout.sde.sde_step` for the contract: float32
 math, ``log_prob`` float32 ``[B]``). The sampler records the step type's name on every Trajectory and
 the recomputation looks it up here, so sampling and training always use the same step. A new step
-type (``cps``, ``ddim``, ``ode``) is a file with its step function plus one entry in :data:`STEPS`,
+type is a file with its step function plus one entry in :data:`STEPS`,
 or :func:`register_step` from code of your own before the config is loaded.
 """
 
@@ -13,11 +13,13 @@ from __future__ import annotations
 from typing import Callable
 
 from rollout.cps import cps_step
+from rollout.ddim import ddim_step
 from rollout.sde import sde_step
 
-#: ``sde``: Flow-GRPO's SDE (Liu et al. 2025); ``cps``: Coefficients-Preserving Sampling (Wang et al. 2025).
+#: ``sde``: Flow-GRPO's SDE (Liu et al. 2025); ``cps``: Coefficients-Preserving Sampling (Wang et al. 2025);
+#: ``ddim``: DDIM with eta = noise_level (Song et al. 2021), DDPO's sampler (Black et al. 2023).
 #: A step function may set ``noise_level_max``, checked when the config loads.
-STEPS: dict[str, Callable] = {"sde": sde_step, "cps": cps_step}
+STEPS: dict[str, Callable] = {"sde": sde_step, "cps": cps_step, "ddim": ddim_step}
 
 
 def register_step(name: str, fn: Callable) -> None:

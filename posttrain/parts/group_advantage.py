@@ -32,7 +32,8 @@ class GroupAdvantage:
     def __init__(self, cfg: ClipConfig):
         self.cfg = cfg
 
-    def __call__(self, total: torch.Tensor, raw: dict, weights: dict, group_ids: torch.Tensor):
+    def __call__(self, total: torch.Tensor, raw: dict, weights: dict, group_ids: torch.Tensor,
+                 prompt_ids: torch.Tensor):
         return group_advantages(total, group_ids, self.cfg.clip_max)
 
 
@@ -47,5 +48,6 @@ class PerRewardAdvantage:
     def __init__(self, cfg: ClipConfig):
         self.cfg = cfg
 
-    def __call__(self, total: torch.Tensor, raw: dict, weights: dict, group_ids: torch.Tensor):
+    def __call__(self, total: torch.Tensor, raw: dict, weights: dict, group_ids: torch.Tensor,
+                 prompt_ids: torch.Tensor):
         return per_reward_advantages(raw, weights, group_ids, self.cfg.clip_max)

@@ -19,7 +19,8 @@ class PPOClipKL:
     @dataclass
     class Config:
         """``clip_range``: PPO clip on the per-element-mean log-prob ratio (Flow-GRPO: 1e-4 to 1e-3);
-        ``beta``: weight of the KL to the reference (Flow-GRPO's implementation form, 0.04)."""
+        ``beta``: weight of the KL to the reference (Flow-GRPO: 0.04), the per-element KL of the two
+        Gaussian transitions with the std the step draws its noise with (``step_std``)."""
 
         clip_range: float = 1e-3
         beta: float = 0.04
@@ -37,7 +38,7 @@ class PPOClipKL:
     def __call__(self, new, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ref=None):
         loss, stats = ppo_clip_loss(new.log_prob, old_log_prob, advantages, self.cfg.clip_range, mask)
         if self.needs_reference:
-            kl = kl_to_reference(new.mean, ref.mean, new.std_dev_t)
+            kl = kl_to_reference(new.mean, ref.mean, new.step_std)
             w = mask.float()
             kl = (kl * w).sum() / w.sum().clamp(min=1.0)
             loss = loss + self.cfg.beta * kl

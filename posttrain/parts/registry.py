@@ -10,13 +10,18 @@ script before it loads the config. No shared code changes either way.
 
 Contracts (N samples of one iteration, every tensor float32 unless said otherwise):
 
-- advantage estimator: ``part(total [N], raw {reward: [N]}, weights {reward: w}, group_ids long [N])
-  -> (advantages [N], valid bool [N], zero_spread bool [N])``; NaN rewards are not valid and get 0.
+- advantage estimator: ``part(total [N], raw {reward: [N]}, weights {reward: w}, group_ids long [N],
+  prompt_ids long [N]) -> (advantages [N], valid bool [N], zero_spread bool [N])``; NaN rewards are not
+  valid and get 0. ``group_ids``: the prompt group within this iteration; ``prompt_ids``: the prompt's
+  index in the training prompt set (the same prompt in another iteration has the same id).
 - sample selection: ``part(total, advantages, valid, zero_spread, group_ids) -> mask bool [N]``, the
   samples trained this iteration (``total``: the weighted reward, NaN allowed).
 - policy loss: ``part(new, old_log_prob [k], advantages [k], mask bool [k], ref) -> (loss scalar, stats)``
   over k rows of transitions, ``new``/``ref`` the recomputed steps (:class:`rollout.sde.SDEStep`) of
   the policy and of the reference model; ``ref`` is None unless the part's ``needs_reference`` is true.
+
+A part that keeps state across iterations (e.g. ``per_prompt``'s reward buffers) has ``state_dict()`` /
+``load_state_dict(state)``; the run checkpoints it with everything else.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class RankAdvantage:
     def __init__(self, cfg):
         self.cfg = cfg
 
-    def __call__(self, total, raw, weights, group_ids):
+    def __call__(self, total, raw, weights, group_ids, prompt_ids):
         adv = torch.zeros_like(total)
         for g in torch.unique(group_ids):
             idx = torch.nonzero(group_ids == g).flatten()
@@ -48,7 +48,8 @@ def rank_advantage():
 
 def test_rank_advantage_has_its_closed_form(rank_advantage):
     est = ADVANTAGES.build({"name": "test_rank", "offset": 0.25}, "grpo.advantage")
-    adv, valid, zero = est(torch.tensor([0.3, 0.1, 0.9, 0.5, 2.0, 1.0]), {}, {}, torch.tensor([0, 0, 0, 0, 1, 1]))
+    adv, valid, zero = est(torch.tensor([0.3, 0.1, 0.9, 0.5, 2.0, 1.0]), {}, {}, torch.tensor([0, 0, 0, 0, 1, 1]),
+                           torch.tensor([7, 7, 7, 7, 3, 3]))
     s = 1.25 ** 0.5  # population std of the ranks 0..3
     want = torch.tensor([-0.5 / s, -1.5 / s, 1.5 / s, 0.5 / s, 1.0, -1.0]) + 0.25
     torch.testing.assert_close(adv, want)
@@ -81,7 +82,7 @@ def test_a_part_named_by_import_path_needs_no_registration(tiny_export, tmp_path
                       "grpo.advantage.name=tests.integration.test_parts:RankAdvantage", "grpo.advantage.offset=2.0")
     est = cfg.grpo.build().advantage
     assert isinstance(est, RankAdvantage) and est.cfg.offset == 2.0
-    adv, _, _ = est(torch.tensor([1.0, 3.0]), {}, {}, torch.tensor([0, 0]))
+    adv, _, _ = est(torch.tensor([1.0, 3.0]), {}, {}, torch.tensor([0, 0]), torch.tensor([5, 5]))
     assert adv.tolist() == [1.0, 3.0]  # ranks -1, +1, plus 2
 
 

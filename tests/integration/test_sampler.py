@@ -49,13 +49,15 @@ def test_trajectory_records_its_settings_and_recomputes_from_them(tiny_export):
 
 
 def test_unknown_step_type_names_the_key():
-    with pytest.raises(ValueError, match=r"rollout\.step: unknown step type 'ddim'; known: \['cps', 'sde'\]"):
-        RolloutConfig(step="ddim").validate("rollout.")
+    with pytest.raises(ValueError, match=r"rollout\.step: unknown step type 'ddpm'; known: \['cps', 'ddim', 'sde'\]"):
+        RolloutConfig(step="ddpm").validate("rollout.")
     with pytest.raises(ValueError, match=r"rollout\.noise_level: step 'cps' takes at most 1.0, got 1.5"):
         RolloutConfig(step="cps", noise_level=1.5).validate("rollout.")
+    with pytest.raises(ValueError, match=r"rollout\.noise_level: step 'ddim' takes at most 1.0, got 1.2"):
+        RolloutConfig(step="ddim", noise_level=1.2).validate("rollout.")
 
 
-@pytest.mark.parametrize("step", ["sde", "cps"])
+@pytest.mark.parametrize("step", ["sde", "cps", "ddim"])
 def test_ratio_is_one_before_any_update_for_every_step_type(tiny_export, step):
     from pretrain.export import load_exported
 

@@ -142,3 +142,24 @@ def test_best_of_n_keeps_the_best_and_worst_k_of_each_group():
     dropped = SELECTIONS.build({"name": "best_of_n", "drop_zero_spread_groups": True}, "grpo.selection")(
         total, torch.zeros(8), valid, groups == 1, groups)
     assert dropped.tolist() == [False, True, True, False, False, False, False, False]
+
+
+@pytest.mark.parametrize("step", ["sde", "cps", "ddim"])
+def test_the_kl_uses_the_std_the_noise_is_drawn_with(step):
+    """The policy loss's KL is the exact per-element KL of the two Gaussian transitions: the std is the
+    step's own noise std (std_dev_t * sqrt(|dt|) for the SDE), the one its log-prob uses."""
+    from posttrain.parts.ppo_clip_kl import PPOClipKL
+    from rollout.steps import get_step
+
+    g = torch.Generator().manual_seed(0)
+    x, v, v_ref, z = (torch.randn(2, 3, 4, 4, generator=g) for _ in range(4))
+    fn = get_step(step)
+    new = fn(x, v, 0.6, 0.5, noise_level=0.7, sigma_after_one=0.9, noise=z)
+    ref = fn(x, v_ref, 0.6, 0.5, noise_level=0.7, sigma_after_one=0.9, prev_sample=new.prev_sample)
+    loss, stats = PPOClipKL(PPOClipKL.Config(beta=1.0))(new, new.log_prob, torch.zeros(2), torch.ones(2, dtype=torch.bool), ref)
+    std = new.step_std
+    assert std.min() > 0 and torch.equal(new.prev_sample, new.mean + std.view(-1, 1, 1, 1) * z)
+    exact = torch.distributions.kl_divergence(torch.distributions.Normal(new.mean, std.view(-1, 1, 1, 1)),
+                                              torch.distributions.Normal(ref.mean, std.view(-1, 1, 1, 1)))
+    assert stats["kl"] == pytest.approx(float(exact.flatten(1).mean(1).mean()), rel=1e-5)
+    assert float(loss) == pytest.approx(stats["kl"], rel=1e-6)
