@@ -27,7 +27,12 @@ class RolloutConfig:
       (Flow-GRPO: 0.99 of 10 trains 9) or "random" (one random subset per iteration, DanceGRPO);
     - ``sde_window`` (:class:`rollout.window.WindowConfig`): which transitions are stochastic. With a
       window, only its transitions are stochastic and trained (``timestep_fraction`` does not apply,
-      ``timestep_selection: random`` is refused); the others take the deterministic step.
+      ``timestep_selection: random`` is refused); the others take the deterministic step;
+    - ``ode_solver`` (:mod:`rollout.ode_solver`): the deterministic step of the transitions after the
+      window: ``euler`` (the step type at noise level 0, the default) or ``dpmpp_2m`` (DPM-Solver++(2M),
+      MixGRPO-Flash, Li et al. 2025, arXiv 2507.21802). Transitions before and inside the window do not
+      change, nor do their log-probs. Refused without an ``sde_window`` (every transition is then
+      stochastic: there is nothing for it to solve).
 
     Batch: ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a time."""
 
@@ -44,8 +49,10 @@ class RolloutConfig:
     timestep_selection: str = "first"
     shared_initial_noise: bool = False
     sde_window: WindowConfig = field(default_factory=WindowConfig)
+    ode_solver: str = "euler"
 
     def validate(self, prefix: str = "") -> None:
+        from rollout.ode_solver import get_ode_solver
         from rollout.steps import get_step
 
         limit = getattr(get_step(self.step, f"{prefix}step"), "noise_level_max", None)
@@ -64,6 +71,10 @@ class RolloutConfig:
         if self.timestep_selection not in ("first", "random"):
             raise ValueError(f"{prefix}timestep_selection: '{self.timestep_selection}' is not one of first, random")
         self.sde_window.check(self.num_inference_steps, f"{prefix}sde_window.")
+        get_ode_solver(self.ode_solver, f"{prefix}ode_solver")
+        if not self.sde_window.size and self.ode_solver != "euler":
+            raise ValueError(f"{prefix}ode_solver: '{self.ode_solver}' takes the transitions after an sde_window; "
+                             f"without one (sde_window.size 0) every transition is stochastic")
         if self.sde_window.size and self.timestep_selection != "first":
             raise ValueError(f"{prefix}timestep_selection: with an sde_window the window's transitions are "
                              f"trained; '{self.timestep_selection}' does not apply")

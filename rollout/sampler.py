@@ -5,7 +5,9 @@ One transition (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470, eq. 9-10, step typ
 v = cfg_combine(v_cond, v_uncond, guidance_scale) (Ho & Salimans 2022), then
 ``step(x, v, sigma_t, sigma_t+1, noise_level)`` gives x_next and log p(x_next | x). Sampling
 (:meth:`Sampler.sample`) and the recomputation (:func:`log_prob`) both combine the branches with
-``cfg_combine`` and call the step type registered under the trajectory's recorded name.
+``cfg_combine`` and call the step type registered under the trajectory's recorded name. With an SDE
+window, the transitions after it are taken by the recorded ODE solver (:mod:`rollout.ode_solver`);
+they are deterministic and never recomputed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pretrain.text_encoder import PromptEmbeds
 from rollout.branches import CFGBranches
 from rollout.config import RolloutConfig
 from rollout.noise import rollout_noise
+from rollout.ode_solver import get_ode_solver
 from rollout.steps import get_step
 from rollout.trajectory import SamplingSettings, Trajectory, train_timesteps
 
@@ -39,7 +42,8 @@ class Sampler:
         self.step = get_step(cfg.step)
         sigmas = sigmas.float().cpu().clone()
         self.settings = SamplingSettings(cfg.step, sigmas, sigmas[:-1].clone() if timesteps is None else timesteps,
-                                         cfg.noise_level, cfg.guidance_scale, negative, cfg.negative_prompt)
+                                         cfg.noise_level, cfg.guidance_scale, negative, cfg.negative_prompt,
+                                         ode_solver=cfg.ode_solver)
 
     @classmethod
     def build(cls, cfg: RolloutConfig, model, encoder, device, shift: float) -> "Sampler":
@@ -74,14 +78,15 @@ class Sampler:
                shared_group_size: int | None = None, record_uncond: bool = False) -> Trajectory:
         """One batch of B samples: every latent and log-prob, images decoded by ``codec`` (float32 in
         [0, 1]). The first state is the unit noise of :func:`rollout.noise.rollout_noise` (keyed by
-        ``sample_ids``, the global indices) times ``model.initial_scale(sigmas[0])``.
+        ``sample_ids``, the global indices) times ``model.initial_scale(sigmas[0])``. Transitions after
+        the SDE window take ``settings.ode_solver``, given the previous transition's (x, v, sigma).
         ``record_uncond``: keep the unconditional branch's velocities (``Trajectory.uncond_velocities``,
         with CFG only) so that training before the first optimizer step may reuse them."""
         s = self.settings_for(seed, iteration)
         x, z = rollout_noise(latent_shape, self.num_steps, seed, iteration, sample_ids, shared_group_size)
         x, z = x.to(device) * model.initial_scale(float(s.sigmas[0])), z.to(device)
         embeds, null, sig = embeds.to(device), s.negative.to(device), s.sigmas.to(device)
-        latents, log_probs = [x], []
+        latents, log_probs, previous, ode = [x], [], None, get_ode_solver(s.ode_solver)
         record = record_uncond and s.guidance_scale != 1.0
         uncond = torch.empty((x.shape[0], self.num_steps, *x.shape[1:]), device=device) if record else None
         for t in range(self.num_steps):
@@ -92,9 +97,12 @@ class Sampler:
                 uncond[:, t] = v_uncond
             else:
                 v = guided_velocity(model, x, sigma, embeds, null, s.guidance_scale)
-            out = self.step(x, v, sig[t], sig[t + 1], noise_level=s.noise_level_at([t]), sigma_after_one=sig[1],
-                            noise=z[:, t])
-            x = out.prev_sample
+            kw = dict(sigma_after_one=sig[1], noise=z[:, t])
+            if s.after_window(t):
+                out = ode(self.step, x, v, sig[t], sig[t + 1], previous, **kw)
+            else:
+                out = self.step(x, v, sig[t], sig[t + 1], noise_level=s.noise_level_at([t]), **kw)
+            previous, x = (x, v, sig[t]), out.prev_sample
             latents.append(x)
             log_probs.append(out.log_prob)
         return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), s, embeds, codec.decode(x),

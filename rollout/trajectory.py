@@ -18,7 +18,9 @@ class SamplingSettings:
     transition (the adapter's convention, e.g. sigma * 1000 for SD3; the sigmas where the adapter
     declares none); ``noise_level``; ``guidance_scale``; ``negative``: the negative-prompt embedding
     ``[1, ...]`` of the unconditional branch and ``negative_prompt`` its text; ``window``: the SDE
-    window [lo, hi) of this iteration (None: every transition stochastic)."""
+    window [lo, hi) of this iteration (None: every transition stochastic); ``ode_solver``: the solver
+    of the deterministic transitions after the window (:mod:`rollout.ode_solver`; ``euler`` = the step
+    type at noise level 0). The recomputation of a window transition does not read ``ode_solver``."""
 
     step: str
     sigmas: torch.Tensor
@@ -28,6 +30,7 @@ class SamplingSettings:
     negative: PromptEmbeds
     negative_prompt: str = ""
     window: tuple[int, int] | None = None
+    ode_solver: str = "euler"
 
     def noise_level_at(self, transitions: list[int]) -> float:
         """The noise level of ``transitions``: ``noise_level`` inside the SDE ``window`` (all of them
@@ -39,14 +42,20 @@ class SamplingSettings:
             raise ValueError(f"transitions {transitions} mix the SDE window {self.window} and deterministic steps")
         return self.noise_level if inside.pop() else 0.0
 
+    def after_window(self, transition: int) -> bool:
+        """True for a transition after the SDE window (taken by ``ode_solver``); False without a window."""
+        return self.window is not None and transition >= self.window[1]
+
     def same_as(self, other: "SamplingSettings") -> bool:
-        """True when ``other`` records the same step, schedule, noise level, guidance and negative prompt."""
+        """True when ``other`` records the same step, schedule, noise level, guidance, negative prompt,
+        window and ODE solver."""
         def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # settings of one sampler share their tensors
             return a is b or torch.equal(a.cpu(), b.cpu())
 
         return other is self or (
-            (self.step, self.noise_level, self.guidance_scale, self.negative_prompt, self.window)
-            == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt, other.window)
+            (self.step, self.noise_level, self.guidance_scale, self.negative_prompt, self.window, self.ode_solver)
+            == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt, other.window,
+                other.ode_solver)
             and same(self.sigmas, other.sigmas) and same(self.timesteps, other.timesteps)
             and same(self.negative.tokens, other.negative.tokens) and same(self.negative.pooled, other.negative.pooled))
 

@@ -144,6 +144,33 @@ def test_ode_sampling_matches_the_diffusers_pipeline(folder, capsys):
     assert (img[0] - img[1]).abs().max() > 1e-3  # the prompts really condition the sample
 
 
+def test_schedule_option_pipeline_by_default_or_shifted_once(folder, capsys):
+    import numpy as np
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
+
+    default = load_exported(folder)[0]
+    single, encoder, codec, meta = load_exported(folder, options={"schedule": "single_shift"})
+    assert meta["options"] == {"schedule": "single_shift"}  # recorded: an export of a run walks it again
+    pipe = diffusers_pipe(folder)  # the fixture's scheduler: shift 3, no dynamic shifting
+    retrieve_timesteps(pipe.scheduler, 10, "cpu")
+    assert torch.equal(default.sigmas(10), pipe.scheduler.sigmas)  # the default: what the pipeline walks
+    retrieve_timesteps(pipe.scheduler, None, "cpu", sigmas=np.linspace(1.0, 1 / 1000, 10))
+    assert torch.equal(single.sigmas(10), pipe.scheduler.sigmas)  # the pipeline given the unshifted sigmas
+    assert abs(default.sigmas(10)[-2].item() - 1 / 112) < 1e-7 and abs(single.sigmas(10)[-2].item() - 1 / 334) < 1e-7
+    # our ODE on the single-shift schedule equals the pipeline called with those sigmas
+    noise = initial_noise()
+    lat = sample_latents(single.eval(), encoder.encode(PROMPTS), encoder.encode([""]), noise, STEPS, SCALE,
+                         shift=None)
+    want_lat, want_img = pipeline_images(pipe, noise, sigmas=np.linspace(1.0, 1 / 1000, STEPS))
+    d_lat, d_img = (lat - want_lat).abs().max().item(), (codec.decode(lat) - want_img).abs().max().item()
+    with capsys.disabled():
+        print(f"\nsd3 single_shift ODE vs StableDiffusion3Pipeline(sigmas=...): max |latents diff| {d_lat:.2e}, "
+              f"max |image diff| {d_img:.2e}")
+    assert d_lat <= TOL and d_img <= TOL
+    with pytest.raises(ValueError, match=r"model\.options\.schedule: 'double'"):
+        load_exported(folder, options={"schedule": "double"})
+
+
 def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
     from pretrain.data.dataset import DataConfig, build_datasets
     from rollout.sampler import log_prob

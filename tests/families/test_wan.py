@@ -145,6 +145,25 @@ def test_codec_options_and_unipc_schedule(wan_folder, tmp_path):
         wan.check_folder(tmp_path)
 
 
+def test_schedule_option_shifts_a_flow_match_schedule_once(wan_folder):
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    from pretrain.models.wan import pipeline as wan
+
+    euler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # the fixture's scheduler
+    euler.set_timesteps(10)
+    assert torch.equal(wan.scheduler_sigmas(FlowMatchEulerDiscreteScheduler, euler.config, 10), euler.sigmas)
+    euler.set_timesteps(sigmas=np.linspace(1.0, 1 / 1000, 10))
+    single = load_exported(wan_folder, options={**OPTIONS, "schedule": "single_shift"})[0].sigmas(10)
+    assert torch.equal(single, euler.sigmas) and abs(single[-2].item() - 1 / 334) < 1e-7
+    unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    assert torch.equal(*(wan.scheduler_sigmas(UniPCMultistepScheduler, unipc.config, 10, schedule=s)
+                         for s in ("pipeline", "single_shift")))  # UniPC's flow sigmas: shifted once already
+    with pytest.raises(ValueError, match=r"model\.options\.schedule"):
+        load_exported(wan_folder, options={"schedule": "twice"})
+
+
 def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(wan_folder, capsys):
     from pretrain.data.dataset import EncodedSet
     from rollout.sampler import log_prob

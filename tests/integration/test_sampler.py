@@ -145,3 +145,58 @@ def test_a_window_covering_every_transition_is_plain_flow_grpo(tiny_export, tmp_
         recs[name] = [{k: v for k, v in r.items() if not k.startswith(("time_", "samples_per_s", "peak_rss"))}
                       for r in read_metrics(tmp_path / name / "grpo/metrics.jsonl")]
     assert recs["window"] == recs["plain"] and len(recs["plain"]) == 2
+
+
+def test_ode_solver_after_the_window_leaves_the_window_and_its_log_probs_alone(tiny_export):
+    from pretrain.export import load_exported
+    from pretrain.guidance import guided_velocity
+    from rollout.dpm_solver import dpmpp_2m_update, flow_data_prediction
+    from rollout.window import WindowConfig
+
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    _, encoder, _, _ = load_exported(tiny_export)
+    shape = (codec.channels, meta["image_size"], meta["image_size"])
+    model.eval()
+    run = dict(latent_shape=shape, seed=0, iteration=0, device="cpu")
+
+    def rollout(solver, window):
+        return _sampler(model, encoder, sde_window=window, ode_solver=solver).rollout(model, codec, train, [0, 1],
+                                                                                        **run)
+
+    full = {s: rollout(s, WindowConfig(size=STEPS)) for s in ("euler", "dpmpp_2m")}  # nothing after the window
+    assert torch.equal(full["dpmpp_2m"].latents, full["euler"].latents)
+    assert torch.equal(full["dpmpp_2m"].log_probs, full["euler"].log_probs)
+    window = WindowConfig(size=2, start=1)  # transitions 1, 2 stochastic; 3, 4, 5 after the window
+    euler, dpm = rollout("euler", window), rollout("dpmpp_2m", window)
+    assert (euler.settings.ode_solver, dpm.settings.ode_solver) == ("euler", "dpmpp_2m")
+    assert torch.equal(dpm.latents[:, :4], euler.latents[:, :4])  # before and inside the window: unchanged
+    assert torch.equal(dpm.log_probs, euler.log_probs) and (dpm.log_probs[:, 3:] == 0).all()
+    assert (dpm.latents[:, -1] - euler.latents[:, -1]).abs().max() > 1e-4
+    with torch.no_grad():  # training recomputes the window's transitions from the recorded latents: ratio 1
+        for traj in (euler, dpm):
+            for t in (1, 2):
+                assert (log_prob(model, traj, t).log_prob - traj.log_probs[:, t]).abs().max() <= 1e-5, t
+        # each transition after the window is DPM-Solver++(2M) from the recorded states, history included
+        sig, embeds, neg = dpm.sigmas, dpm.embeds, dpm.settings.negative
+
+        def v(t):
+            return guided_velocity(model, dpm.latents[:, t], sig[t].expand(len(dpm)), embeds, neg,
+                                   dpm.settings.guidance_scale)
+
+        for t in (3, 4, 5):
+            x, xp = dpm.latents[:, t], dpm.latents[:, t - 1]
+            want = dpmpp_2m_update(x, flow_data_prediction(x, v(t), sig[t]), sig[t], sig[t + 1],
+                                   flow_data_prediction(xp, v(t - 1), sig[t - 1]), sig[t - 1])
+            assert (dpm.latents[:, t + 1] - want).abs().max() <= 1e-5, t
+    with pytest.raises(ValueError, match="different settings"):
+        Trajectory.cat([euler, dpm])
+
+
+def test_ode_solver_is_checked_and_needs_a_window():
+    from rollout.window import WindowConfig
+
+    with pytest.raises(ValueError, match=r"rollout\.ode_solver: unknown ODE solver 'heun'; known: \['dpmpp_2m', "):
+        RolloutConfig(ode_solver="heun", sde_window=WindowConfig(size=2)).validate("rollout.")
+    with pytest.raises(ValueError, match=r"rollout\.ode_solver: 'dpmpp_2m' takes the transitions after an sde_window"):
+        RolloutConfig(ode_solver="dpmpp_2m").validate("rollout.")
+    RolloutConfig(ode_solver="dpmpp_2m", sde_window=WindowConfig(size=2)).validate("rollout.")

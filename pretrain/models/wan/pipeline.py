@@ -23,6 +23,7 @@ import torch
 
 from pretrain.models.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
                                       family_meta)
+from pretrain.models.flow_schedule import checked_schedule, set_flow_timesteps
 from pretrain.models.wan.codec import WanVideoCodec, check_num_frames
 from pretrain.models.wan.model import WanVideoAdapter
 
@@ -30,19 +31,20 @@ COMPONENT = "transformer"
 PIPELINE = "WanPipeline"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIONS = ("image_size", "num_frames", "guidance_scale", "num_inference_steps", "max_sequence_length", "dtype",
-           "text_encoder_dtype")
+           "text_encoder_dtype", "schedule")
 
 
-def scheduler_sigmas(scheduler_class, config: dict, num_inference_steps: int, shift: float | None = None
-                     ) -> torch.Tensor:
+def scheduler_sigmas(scheduler_class, config: dict, num_inference_steps: int, shift: float | None = None,
+                     schedule: str = "pipeline") -> torch.Tensor:
     """The sigmas a Wan pipeline's scheduler walks for ``num_inference_steps``, final 0 included:
     float32 ``[num_inference_steps + 1]`` from the scheduler's own ``set_timesteps``.
 
     ``FlowMatchEulerDiscreteScheduler``: its ``sigmas`` as is (``shift`` not None replaces its
-    ``shift``). ``UniPCMultistepScheduler`` with ``use_flow_sigmas``: its flow-shifted linear sigmas
-    (``shift`` replaces ``flow_shift``), with the first sigma put back to exactly 1 where UniPC nudges
-    it to 1 - 1e-6 (only to avoid log(0) in its multistep update; the SDE's std at sigma = 1 must use
-    the next sigma, not divide by 1e-6). Raises ``ValueError`` for steps < 1, another scheduler,
+    ``shift``), or with ``schedule`` "single_shift" shifted once (:mod:`pretrain.models.flow_schedule`,
+    diffusers#13243). ``UniPCMultistepScheduler`` with ``use_flow_sigmas``: its flow-shifted linear
+    sigmas (shifted once already, so ``schedule`` changes nothing; ``shift`` replaces ``flow_shift``),
+    with the first sigma put back to exactly 1 where UniPC nudges it to 1 - 1e-6 (only to avoid log(0)
+    in its multistep update; the SDE's std at sigma = 1 must use the next sigma, not divide by 1e-6). Raises ``ValueError`` for steps < 1, another scheduler,
     UniPC without flow sigmas, or dynamic shifting (WanPipeline passes no ``mu``)."""
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
@@ -57,7 +59,10 @@ def scheduler_sigmas(scheduler_class, config: dict, num_inference_steps: int, sh
     if shift is not None:
         cfg["shift" if name == "FlowMatchEulerDiscreteScheduler" else "flow_shift"] = float(shift)
     scheduler = scheduler_class.from_config(cfg)
-    scheduler.set_timesteps(num_inference_steps, device="cpu")
+    if name == "FlowMatchEulerDiscreteScheduler":
+        set_flow_timesteps(scheduler, num_inference_steps, schedule)
+    else:
+        scheduler.set_timesteps(num_inference_steps, device="cpu")
     sigmas = scheduler.sigmas.to(torch.float32).clone()
     if name == "UniPCMultistepScheduler" and abs(float(sigmas[0]) - 1.0) < 1e-5:
         sigmas[0] = 1.0
@@ -68,16 +73,19 @@ class WanAdapter(WanVideoAdapter):
     """:class:`pretrain.models.wan.model.WanVideoAdapter` (``forward(x [B, C, F', h, w], sigma [B] in [0, 1],
     embeds) -> velocity`` float32, the transformer's prediction v = eps - x0 at the float32 timestep
     sigma * ``num_train_timesteps`` as ``WanPipeline`` passes it; ``embeds.pooled`` ``[B, 0]`` unused)
-    walking the folder scheduler's sigmas (:func:`scheduler_sigmas`)."""
+    walking the folder scheduler's sigmas (:func:`scheduler_sigmas`, ``schedule`` "pipeline" or
+    "single_shift")."""
 
-    def __init__(self, transformer: torch.nn.Module, scheduler):
+    def __init__(self, transformer: torch.nn.Module, scheduler, schedule: str = "pipeline"):
         super().__init__(transformer)
         self.scheduler_class = type(scheduler)
         self.scheduler_config = dict(scheduler.config)
         self.timestep_scale = float(scheduler.config.num_train_timesteps)
+        self.schedule = checked_schedule({"schedule": schedule})
 
     def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
-        return scheduler_sigmas(self.scheduler_class, self.scheduler_config, num_inference_steps, shift)
+        return scheduler_sigmas(self.scheduler_class, self.scheduler_config, num_inference_steps, shift,
+                                self.schedule)
 
 
 class WanPromptEncoder(PipelinePromptEncoder):
@@ -117,12 +125,14 @@ def load(path: Path, device: str, options: dict):
     ``max_sequence_length`` (512), ``dtype`` of the transformer ("float32", "bfloat16", "float16";
     default float32; LoRA adapters are created in it), ``text_encoder_dtype`` of UMT5 (default
     ``dtype``; "bfloat16" halves the 5.7 B-parameter encoder, as Wan ships it). The VAE stays float32,
-    as Wan's examples load it. Raises ``ValueError`` for an unknown option or dtype, a frame count
-    that is not 4k + 1, an image size the VAE scale x patch size does not divide, or a Wan2.2 folder."""
+    as Wan's examples load it; ``schedule`` ("pipeline" or "single_shift", see :func:`scheduler_sigmas`).
+    Raises ``ValueError`` for an unknown option, dtype or schedule, a frame count that is not 4k + 1,
+    an image size the VAE scale x patch size does not divide, or a Wan2.2 folder."""
     from diffusers import AutoencoderKLWan, WanPipeline
     from transformers import UMT5EncoderModel
 
     options, dtype = checked_options(options, OPTIONS, DTYPES, "Wan")
+    schedule = checked_schedule(options)
     text_dtype = options.get("text_encoder_dtype", dtype)
     if text_dtype not in DTYPES:
         raise ValueError(f"model.options.text_encoder_dtype: '{text_dtype}' is not one of {sorted(DTYPES)}")
@@ -136,7 +146,7 @@ def load(path: Path, device: str, options: dict):
     pipe.set_progress_bar_config(disable=True)
     image_size = check_image_size(int(options.get("image_size") or defaults["height"]),
                                   pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1])
-    model = WanAdapter(pipe.transformer.eval(), pipe.scheduler)
+    model = WanAdapter(pipe.transformer.eval(), pipe.scheduler, schedule)
     encoder = WanPromptEncoder(pipe, path, int(options.get("max_sequence_length", defaults["max_sequence_length"])),
                                text_dtype, device)
     meta = family_meta("wan", PIPELINE, COMPONENT, path, image_size, options, defaults)

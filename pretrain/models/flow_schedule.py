@@ -1,0 +1,42 @@
+"""The two schedules a folder's ``FlowMatchEulerDiscreteScheduler`` can walk (``model.options.schedule``).
+
+- ``pipeline`` (default): what the pipeline walks, ``scheduler.set_timesteps(num_inference_steps)``.
+  With a fixed shift (``use_dynamic_shifting`` false, e.g. SD3 / SD3.5's shift 3) diffusers builds
+  that schedule from the scheduler's already-shifted ``sigma_min`` and shifts it again
+  (diffusers#13243): at shift 3 and 10 steps the last nonzero sigma is shift(shift(1/1000)) = 1/112
+  (0.008929) instead of shift(1/1000) = 1/334 (0.002994), and the sigmas before it move slightly
+  (the one before it 0.2780 instead of 0.2745).
+- ``single_shift``: the shift applied once, as the scheduler's training-time sigmas are:
+  shift(linspace(1, 1/num_train_timesteps, n)) then 0, with shift(s) = shift * s / (1 + (shift - 1) s)
+  (Esser et al. 2024, arXiv 2403.03206, eq. 23; or the dynamic shift at ``mu``). It is the same
+  scheduler's ``set_timesteps(sigmas=linspace(1, 1/num_train_timesteps, n))``, what the pipeline
+  walks when called with those ``sigmas``. With dynamic shifting the two agree (the scheduler keeps
+  an unshifted ``sigma_min`` then).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: ``model.options.schedule`` -> the unshifted sigmas passed to ``set_timesteps`` (None: its own).
+SCHEDULES = {
+    "pipeline": lambda config, n: None,
+    "single_shift": lambda config, n: np.linspace(1.0, 1.0 / config.get("num_train_timesteps", 1000), n),
+}
+
+
+def checked_schedule(options: dict) -> str:
+    """``options["schedule"]``, default "pipeline"; ``ValueError`` naming ``model.options.schedule`` for
+    another value."""
+    schedule = options.get("schedule", "pipeline")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"model.options.schedule: '{schedule}' is not one of {list(SCHEDULES)}")
+    return schedule
+
+
+def set_flow_timesteps(scheduler, num_inference_steps: int, schedule: str, mu: float | None = None) -> None:
+    """``scheduler.set_timesteps`` (a ``FlowMatchEulerDiscreteScheduler``, on the CPU) for ``schedule``
+    (a key of :data:`SCHEDULES`); ``mu`` the dynamic shift where the scheduler uses one. Afterwards
+    ``scheduler.sigmas`` is float32 ``[num_inference_steps + 1]`` ending in 0."""
+    sigmas = SCHEDULES[schedule](dict(scheduler.config), num_inference_steps)
+    scheduler.set_timesteps(num_inference_steps, device="cpu", sigmas=sigmas, mu=mu)
