@@ -47,7 +47,7 @@ def test_every_shipped_config_loads():
     paths = sorted((ROOT / "configs").rglob("*.yaml"))
     assert len(paths) >= 6
     for path in paths:
-        folder = {"bench": "grpo"}.get(path.parent.name, path.parent.name)  # benchmark configs are GRPO runs
+        folder = {"bench": "grpo", "ddpo": "grpo"}.get(path.parent.name, path.parent.name)  # GRPO-stage configs
         if folder == "reward":  # `posttrain train-reward` configs
             schema = TrainRewardConfig
         else:
