@@ -33,7 +33,7 @@ from posttrain.stage_config import StageConfig
 from pretrain.data.dataset import EpochSampler
 from pretrain.models import count_parameters
 from pretrain.guidance import drop_condition
-from pretrain.objective import FlowConfig, draw_training_noise
+from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.profiling import StepProfiler
 from pretrain.runtime.runtime import Runtime
@@ -50,7 +50,9 @@ class DPOLossConfig:
     on average: E[(1 - sigma)^2] is about 0.3 under logit-normal(0, 1) sigmas and 2500 x 0.3 = 750; it
     weights sigmas differently from noise-space DPO and depends on the data's scale, so treat it as a
     starting point. ``loss_type``: sigmoid | hinge | ipo. ``flow``: the sigma distribution used to noise
-    pairs (logit-normal, as in pretraining) and ``flow.cond_dropout``, the share of pairs trained on the
+    pairs (logit-normal, as in pretraining; ``flow.objective: epsilon`` draws timesteps uniform over an
+    epsilon-prediction model's training timesteps instead, as Diffusion-DPO does for SD; only the draw:
+    the errors are those of ``error_space``) and ``flow.cond_dropout``, the share of pairs trained on the
     empty prompt (the reference code uses 0.2; default 0 here)."""
 
     beta: float = 750.0
@@ -149,7 +151,9 @@ def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEm
     winner and loser; with ``error_space: noise`` errors are scaled by (1 - sigma)^2."""
     p = len(pairs)
     x0 = codec.encode(torch.cat([pairs.images_w, pairs.images_l]).to(device))
-    noise, sigma, drop = draw_training_noise(x0[:p], seed, step, range(offset, offset + p), cfg.flow, stream=stream)
+    table = objective_sigmas(model, cfg.flow, "dpo.flow.objective")
+    noise, sigma, drop = draw_training_noise(x0[:p], seed, step, range(offset, offset + p), cfg.flow, stream=stream,
+                                             train_sigmas=table)
     noise, sigma, drop = torch.cat([noise, noise]), torch.cat([sigma, sigma]), torch.cat([drop, drop])
     embeds = drop_condition(PromptEmbeds.cat([pairs.embeds, pairs.embeds]).to(device), null, drop)
     scale = (1 - sigma) ** 2 if cfg.error_space == "noise" else torch.ones_like(sigma)

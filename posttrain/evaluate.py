@@ -4,7 +4,9 @@ Every model samples the same prompts with the deterministic ODE sampler, the sam
 same per-prompt seeds; for each reward we report each model's mean and, against the first model, the
 mean paired difference with its standard error clustered by prompt (per-prompt mean differences,
 SE = sd / sqrt(#prompts)). A guard metric sits beside the rewards: the held-out flow-matching loss on
-real images, which rises when a model wins a reward by drifting off the data (e.g. blank images).
+real images (of the objective the export was pretrained with, ``objective`` in its ``posttrain.json``:
+the noise-space loss for an epsilon-prediction UNet preset), which rises when a model wins a reward by
+drifting off the data (e.g. blank images).
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         results["grids"].append(str(save_grid(images[:grid_n], prompts[:grid_n], out_dir / f"grid_model{m_i}.png")))
         guard = float("nan")
         if cfg.guard_samples:
-            guard = heldout_loss(model, codec, held, null, FlowConfig(), seed=cfg.seed,
+            flow = FlowConfig(objective=meta.get("objective", "rectified_flow"))  # the export's own loss
+            guard = heldout_loss(model, codec, held, null, flow, seed=cfg.seed,
                                  num_samples=cfg.guard_samples, device=device)
         results["guard"].append(guard)
     results["prompts"] = prompts

@@ -78,7 +78,7 @@ class PolicyStage:
         self.policy.save_adapter(self.run / "lora", final)
         return export_model(self.policy.merged_transformer(final), self.run / "export",
                             TextEncoderConfig(**m["text_encoder"]), CodecConfig(**m["codec"]), m["image_size"],
-                            m["sampling"], m.get("arch", "sd3"), m.get("data"))
+                            m["sampling"], m.get("arch", "sd3"), m.get("data"), m.get("adapter"), m.get("objective"))
 
 
 @dataclass

@@ -54,6 +54,26 @@ class Backbone(torch.nn.Module):
         ``sigma0``. 1 for flow models (they start from pure noise, sigma0 = 1)."""
         return 1.0
 
+    def train_sigmas(self) -> torch.Tensor | None:
+        """The flow sigmas of the denoiser's discrete training timesteps, float32 ``[T]`` (entry t: timestep
+        t), which the ``epsilon`` pretraining objective draws from (:mod:`pretrain.objective`); None for a
+        continuous-time model (default)."""
+        return None
+
+    def export_settings(self) -> dict:
+        """What an export must record, besides the denoiser, to rebuild this adapter
+        (:meth:`from_settings`; ``posttrain.json`` ``"adapter"``): a JSON-serialisable dict, empty by
+        default (e.g. the UNet family's noise scheduler config)."""
+        return {}
+
+    @classmethod
+    def from_settings(cls, transformer: torch.nn.Module, settings: dict) -> "Backbone":
+        """The adapter around ``transformer`` with ``settings`` (what :meth:`export_settings` wrote).
+        Default: ``cls(transformer)``; raises ``ValueError`` naming the keys if ``settings`` is not empty."""
+        if settings:
+            raise ValueError(f"{cls.__name__}: takes no adapter settings, got {sorted(settings)}")
+        return cls(transformer)
+
     def with_transformer(self, transformer: torch.nn.Module) -> "Backbone":
         """A shallow copy of this adapter (same settings) around another denoiser, e.g. a LoRA-merged
         copy of its own. The module's own registries (submodules, parameters, hooks) are copied, not

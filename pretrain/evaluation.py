@@ -8,25 +8,29 @@ import torch
 
 from pretrain import objective
 from pretrain.data.dataset import EncodedSet
-from pretrain.objective import FlowConfig, draw_training_noise
+from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas
 from pretrain.sampling import initial_noise, sample_latents, save_grid
 
 
 @torch.no_grad()
 def heldout_loss(model, codec, data: EncodedSet, null, flow: FlowConfig, *, seed: int, num_samples: int, device,
                  batch: int = 64) -> float:
-    """Mean flow-matching loss over the first ``num_samples`` held-out samples with fixed draws
-    (stream "eval", step 0), so values are comparable across steps, runs and models (also the guard
-    metric of post-training evaluation: reward hacking shows up as a rising held-out loss)."""
+    """Mean loss of ``flow.objective`` (:mod:`pretrain.objective`) over the first ``num_samples`` held-out
+    samples with fixed draws (stream "eval", step 0), so values are comparable across steps, runs and
+    models (also the guard metric of post-training evaluation: reward hacking shows up as a rising
+    held-out loss). Raises ``ValueError`` naming ``flow.objective`` for a discrete objective on a model
+    without training timesteps."""
     n = min(num_samples, len(data))
+    table = objective_sigmas(model, flow)
     total = 0.0
     for start in range(0, n, batch):
         idx = list(range(start, min(n, start + batch)))
         images, embeds, _ = data.batch(idx)
         x0 = codec.encode(images.to(device))
-        noise, sigma, _ = draw_training_noise(x0, seed, 0, idx, flow, stream="eval")
+        noise, sigma, _ = draw_training_noise(x0, seed, 0, idx, flow, stream="eval", train_sigmas=table)
         no_drop = torch.zeros(len(idx), dtype=torch.bool, device=device)
-        total += objective.pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, no_drop).item() * len(idx)
+        loss = objective.pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, no_drop, flow.objective)
+        total += loss.item() * len(idx)
     return total / n
 
 
@@ -37,7 +41,7 @@ def spread_indices(n_items: int, n: int) -> list[int]:
 
 @torch.no_grad()
 def write_grid(model, codec, data: EncodedSet, null, *, num_prompts: int, seed: int, num_inference_steps: int,
-               guidance_scale: float, shift: float, device, path: Path) -> Path:
+               guidance_scale: float, shift: float | None, device, path: Path) -> Path:
     """ODE-sample ``num_prompts`` prompts evenly spaced over ``data`` (sorted by code point, so flags
     and faces both appear) with fixed per-prompt seeds; write a labelled PNG grid."""
     idx = spread_indices(len(data), num_prompts)

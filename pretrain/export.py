@@ -1,7 +1,8 @@
 """Exported models: a diffusers denoiser folder (``save_pretrained``: an ``SD3Transformer2DModel``, a
-``WanTransformer3DModel``, or a registered family's denoiser) plus ``posttrain.json`` naming its model
-family (``arch``) and describing the text encoder, codec and sampling defaults it was trained with.
-Written atomically."""
+``WanTransformer3DModel``, a ``UNet2DConditionModel``, or a registered family's denoiser) plus
+``posttrain.json`` naming its model family (``arch``) and describing the text encoder, codec, sampling
+defaults, the adapter's settings (``adapter``, e.g. the UNet's noise scheduler config) and the training
+objective it was trained with. Written atomically."""
 
 from __future__ import annotations
 
@@ -24,16 +25,20 @@ META = "posttrain.json"
 
 def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder: TextEncoderConfig,
                  codec: CodecConfig, image_size: int, sampling: dict, arch: str = "sd3",
-                 data: dict | None = None) -> Path:
+                 data: dict | None = None, adapter: dict | None = None, objective: str | None = None) -> Path:
     """Save ``transformer`` (the denoiser, ``save_pretrained``, safetensors) and the metadata (``arch``
     names its family in :data:`pretrain.models.FAMILIES`; ``data``: the training data config as a dict,
-    the default data of later stages' evaluation) to ``out_dir``; returns ``out_dir``."""
+    the default data of later stages' evaluation; ``adapter``: the adapter's
+    :meth:`~pretrain.backbone.Backbone.export_settings`, recorded when not empty; ``objective``: the
+    ``flow.objective`` it was pretrained with, recorded when given, the held-out loss of later
+    evaluations) to ``out_dir``; returns ``out_dir``."""
     out = Path(out_dir)
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     transformer.save_pretrained(tmp, safe_serialization=True)
     meta = {"arch": arch, "text_encoder": asdict(text_encoder), "codec": asdict(codec), "image_size": image_size,
-            "sampling": sampling, **({"data": data} if data else {})}
+            "sampling": sampling, **({"data": data} if data else {}), **({"adapter": adapter} if adapter else {}),
+            **({"objective": objective} if objective else {})}
     (tmp / META).write_text(json.dumps(meta, indent=2))
     if out.exists():
         shutil.rmtree(out)
@@ -64,8 +69,10 @@ def load_exported(path: str | Path, device: str = "cpu", options: dict | None = 
     """Load an exported folder, or a diffusers pipeline folder through its family
     (:func:`pretrain.models.pipelines.load_pipeline`, with ``options``): returns (adapter, text encoder,
     codec, meta dict); an export's denoiser is the class of its family (``meta["arch"]``, "sd3" when
-    absent) in float32 on ``device``, in eval mode. Raises ``FileNotFoundError`` naming the folder if it is
-    neither, ``ValueError`` naming ``model.arch`` for an unregistered family."""
+    absent) in float32 on ``device``, in eval mode, wrapped by the family's adapter with the recorded
+    ``meta["adapter"]`` settings (:meth:`pretrain.models.Family.wrap`). Raises ``FileNotFoundError``
+    naming the folder if it is neither, ``ValueError`` naming ``model.arch`` for an unregistered family
+    and the adapter's ``ValueError`` for settings it does not take."""
     path = Path(path)
     if pipeline_class(path) is not None:
         return load_pipeline(path, device, options)
@@ -76,4 +83,4 @@ def load_exported(path: str | Path, device: str = "cpu", options: dict | None = 
     transformer = arch.denoiser_class().from_pretrained(path).to(device).eval()
     encoder = text_encoder_from_config(TextEncoderConfig(**meta["text_encoder"]), device=device)
     codec = build_codec(CodecConfig(**meta["codec"]), device=device)
-    return arch.adapter(transformer), encoder, codec, meta
+    return arch.wrap(transformer, meta.get("adapter")), encoder, codec, meta

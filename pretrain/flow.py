@@ -37,6 +37,16 @@ def flow_matching_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tens
     return err.square().flatten(1).mean(1)
 
 
+def noise_matching_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor,
+                        sigma: torch.Tensor) -> torch.Tensor:
+    """Per-sample epsilon-prediction loss ``[B]`` float32 (DDPM's L_simple, Ho et al. 2020, eq. 14) of a
+    velocity prediction: the noise prediction at (x_sigma, sigma) is eps_hat = x_sigma + (1 - sigma) v_pred,
+    so eps_hat - eps = (1 - sigma)(v_pred - (eps - x0)), and the loss is the mean over non-batch elements
+    of ((1 - sigma)(v_pred - (eps - x0)))^2, in float32. ``sigma``: ``[B]`` in [0, 1]."""
+    err = v_pred.float() - velocity_target(x0.float(), noise.float())
+    return ((1 - _bcast(sigma.float(), err)) * err).square().flatten(1).mean(1)
+
+
 def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
     """Classifier-free guidance (Ho & Salimans 2022): v_uncond + w (v_cond - v_uncond).
     ``guidance_scale`` 1 returns v_cond. The one function rollout and training both use."""

@@ -25,9 +25,11 @@ def initial_noise(n: int, shape: tuple[int, ...], seed: int, step: int = 0, stre
 
 @torch.no_grad()
 def sample_latents(model, embeds: PromptEmbeds, null_embeds: PromptEmbeds, noise: torch.Tensor,
-                   num_inference_steps: int = 20, guidance_scale: float = 4.0, shift: float = 1.0) -> torch.Tensor:
+                   num_inference_steps: int = 20, guidance_scale: float = 4.0,
+                   shift: float | None = 1.0) -> torch.Tensor:
     """Euler ODE over ``model.sigmas(num_inference_steps, shift)`` (from sigma = 1, or the family's
-    first sigma, to 0) with CFG against ``null_embeds`` (the empty prompt, ``[1, ...]``).
+    first sigma, to 0; ``shift`` None: the model's own) with CFG against ``null_embeds`` (the empty
+    prompt, ``[1, ...]``).
 
     ``model``: a :class:`pretrain.backbone.Backbone`. ``noise``: unit Gaussian ``[B, ...]``, scaled by
     ``model.initial_scale`` into the first state. One batched forward of 2B samples per step when

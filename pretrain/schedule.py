@@ -35,3 +35,14 @@ def sample_training_sigmas(
     :func:`sigma_schedule`. One draw per generator; float32 ``[B]`` in (0, 1)."""
     u = torch.stack([torch.randn((), generator=g) for g in generators]) * logit_std + logit_mean
     return shift_sigmas(torch.sigmoid(u.double()), shift).to(torch.float32)
+
+
+def sample_discrete_training_sigmas(generators: list[torch.Generator], train_sigmas: torch.Tensor) -> torch.Tensor:
+    """DDPM's training timesteps (Ho et al. 2020, arXiv 2006.11239, Algorithm 1: t ~ Uniform({1, ..., T})):
+    one index t uniform over ``range(T)`` per generator (``torch.randint``), returned as the flow sigmas
+    ``train_sigmas[t]``, float32 ``[B]``. ``train_sigmas``: ``[T]``, the flow sigma of each training
+    timestep (:meth:`pretrain.backbone.Backbone.train_sigmas`). Raises ``ValueError`` if it is empty."""
+    if train_sigmas.ndim != 1 or len(train_sigmas) < 1:
+        raise ValueError(f"train_sigmas must be a non-empty 1-D table, got shape {tuple(train_sigmas.shape)}")
+    t = torch.stack([torch.randint(len(train_sigmas), (), generator=g) for g in generators])
+    return train_sigmas.detach().cpu()[t].to(torch.float32)

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from pretrain.codec import CodecConfig, build_codec
-from pretrain.config import save_config
+from pretrain.config import ConfigError, save_config
 from pretrain.data.dataset import EpochSampler, build_datasets
 from pretrain.export import export_model
 from pretrain.models import arch_of, build_backbone, count_parameters
-from pretrain.objective import FlowConfig, draw_training_noise, pretrain_loss
+from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas, pretrain_loss
 from pretrain.parallel.job import JobRanks
 from pretrain.run_config import RunConfig
 from pretrain.runtime.config import RuntimeConfig
@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 class PretrainEvalConfig:
     """Held-out loss every ``every`` steps on ``heldout_samples`` fixed (noise, sigma) draws; a grid of
     ``grid_prompts`` held-out prompts every ``grid_every`` steps (and at the end) sampled with
-    ``num_inference_steps`` Euler steps, ``guidance_scale`` and ``shift``."""
+    ``num_inference_steps`` Euler steps, ``guidance_scale`` and ``shift`` (null: the model's own schedule,
+    required by families whose scheduler owns it, e.g. the UNet). The export records these three as its
+    sampling defaults."""
 
     every: int = 50
     heldout_samples: int = 256
@@ -42,7 +44,7 @@ class PretrainEvalConfig:
     grid_prompts: int = 16
     num_inference_steps: int = 20
     guidance_scale: float = 4.0
-    shift: float = 1.0
+    shift: float | None = 1.0
 
 
 @dataclass
@@ -111,9 +113,9 @@ def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, 
         images, embeds, _ = data.batch(sampler.next(b)[lo:hi])
         x0 = codec.encode(images.to(device))
         noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b + lo, micro * b + hi),
-                                                 cfg.flow)
+                                                 cfg.flow, train_sigmas=objective_sigmas(model, cfg.flow))
         with rt.autocast():
-            loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop)
+            loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop, cfg.flow.objective)
         rt.backward(loss)
         loss_sum += loss.item()
     if ranks:  # every rank's guard must see the same loss
@@ -151,6 +153,10 @@ class PretrainRun:
             self.model = model = build_backbone(cfg.model, size, self.codec.channels, encoder.dim,
                                                 encoder.pooled_dim).to(device)
         n_params = count_parameters(model)
+        try:  # e.g. flow.objective epsilon on a model without discrete training timesteps
+            objective_sigmas(model, cfg.flow)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         ranks.shard(model, None, cfg.parallel)
         self.sampler = EpochSampler(len(self.train_set), cfg.train.seed)
         self.rt = rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
@@ -206,10 +212,9 @@ class PretrainRun:
         sampling = self.rt.sampling_model().eval()
         sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps,
                          "guidance_scale": cfg.eval.guidance_scale, "shift": cfg.eval.shift}
-        out = self.ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", cfg.text_encoder,
-                                                               cfg.codec, cfg.data.size, sampling_meta, cfg.model.arch,
-                                                               asdict(cfg.data)),
-                                        sampling, run / "export")
+        out = self.ranks.export_on_main(lambda m: export_model(
+            m.transformer, run / "export", cfg.text_encoder, cfg.codec, cfg.data.size, sampling_meta, cfg.model.arch,
+            asdict(cfg.data), m.export_settings(), cfg.flow.objective), sampling, run / "export")
         self.logger.write(f"exported {out}")
         self.logger.close()
         return out

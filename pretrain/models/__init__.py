@@ -24,10 +24,12 @@ def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> i
 
 def build_backbone(cfg: ModelConfig, sample_size: int, channels: int, text_dim: int, pooled_dim: int) -> Backbone:
     """The adapter of family ``cfg.arch`` around a new (or ``cfg.pretrained``) denoiser built by its
-    ``build`` (see :class:`Family`). Raises ``ValueError`` naming ``model.arch`` for an unknown family or
-    one without presets, and the build's ``ValueError`` for a bad preset or size."""
+    ``build``, with the family's ``adapter_settings(cfg)`` (see :class:`Family`). Raises ``ValueError``
+    naming ``model.arch`` for an unknown family or one without presets, and the build's (or settings')
+    ``ValueError`` for a bad preset, size or setting."""
     family = arch_of(cfg.arch)
     if family.build is None:
         raise ValueError(f"model.arch: '{cfg.arch}' has no presets to build (its pipeline folders load as "
                          f"model.pretrained of a post-training stage)")
-    return family.adapter(family.build(cfg, sample_size, channels, text_dim, pooled_dim))
+    settings = family.adapter_settings(cfg) if family.adapter_settings else {}
+    return family.wrap(family.build(cfg, sample_size, channels, text_dim, pooled_dim), settings)

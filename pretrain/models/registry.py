@@ -25,7 +25,8 @@ import pretrain.models.wan as wan
 class Family:
     """One model family.
 
-    - ``adapter``: its :class:`pretrain.backbone.Backbone` subclass; ``adapter(denoiser)`` wraps a denoiser
+    - ``adapter``: its :class:`pretrain.backbone.Backbone` subclass; ``adapter.from_settings(denoiser,
+      settings)`` (:meth:`wrap`; ``adapter(denoiser)`` when it needs no settings) wraps a denoiser
       built from a preset or loaded from an export (``forward(x, sigma [B], embeds) -> velocity`` float32
       like ``x``), and its ``blocks()`` / ``sequence_parallel(group)`` are what parallelism uses.
     - ``denoiser``: the denoiser's class, or the name of a ``diffusers`` class (resolved lazily): exports
@@ -41,6 +42,10 @@ class Family:
     - ``load(path, device, options) -> (model, encoder, codec, meta)``: loads such a folder (see
       :mod:`pretrain.models.pipelines`); ``finalize_export(folder, meta)``: optional, fixes up a written
       pipeline export (e.g. a replaced scheduler).
+    - ``adapter_settings(cfg: ModelConfig) -> dict``: optional, what the adapter needs besides a preset's
+      denoiser (``adapter.from_settings(denoiser, settings)``, e.g. the UNet's noise scheduler config);
+      raises ``ValueError`` naming the key for a bad one. None: ``{}``. Exports record the adapter's
+      :meth:`~pretrain.backbone.Backbone.export_settings` and load through ``from_settings`` (:meth:`wrap`).
     """
 
     adapter: type[Backbone]
@@ -52,6 +57,7 @@ class Family:
     pipelines: tuple[str, ...] = ()
     load: Callable[..., tuple] | None = None
     finalize_export: Callable[..., None] | None = None
+    adapter_settings: Callable[..., dict] | None = None
 
     def denoiser_class(self) -> type[torch.nn.Module]:
         """The denoiser class (``getattr(diffusers, denoiser)`` for a name)."""
@@ -61,6 +67,11 @@ class Family:
             return getattr(diffusers, self.denoiser)
         return self.denoiser
 
+    def wrap(self, denoiser: torch.nn.Module, settings: dict | None = None) -> Backbone:
+        """The adapter around ``denoiser``: ``adapter.from_settings(denoiser, settings or {})`` (raises its
+        ``ValueError`` for settings it does not take)."""
+        return self.adapter.from_settings(denoiser, dict(settings or {}))
+
 
 FAMILIES: dict[str, Family] = {
     "sd3": Family(sd3.SD3Adapter, "SD3Transformer2DModel", sd3.SD3_PRESETS, sd3.build_transformer,
@@ -68,9 +79,9 @@ FAMILIES: dict[str, Family] = {
     "wan": Family(wan.WanVideoAdapter, "WanTransformer3DModel", wan.WAN_PRESETS, wan.build, video=True,
                   overrides=("qk_norm",), pipelines=(wan.PIPELINE,), load=wan.load),
     "flux": Family(flux.FluxAdapter, "FluxTransformer2DModel", pipelines=("FluxPipeline",), load=flux.load),
-    "unet": Family(unet.UNetAdapter, "UNet2DConditionModel",
+    "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),
                    pipelines=("StableDiffusionPipeline", "StableDiffusionXLPipeline"), load=unet.load,
-                   finalize_export=unet.finalize_export),
+                   finalize_export=unet.finalize_export, adapter_settings=unet.preset_settings),
 }
 
 

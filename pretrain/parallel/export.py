@@ -41,8 +41,9 @@ def _skeleton(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
-    """Collective: on rank 0, a plain CPU copy of ``model`` (a model adapter or a diffusers denoiser,
-    FSDP2-sharded or not) with the same parameter names, values and dtypes; None on other ranks."""
+    """Collective: on rank 0, a plain CPU copy of ``model`` (a model adapter, rebuilt with its
+    :meth:`~pretrain.backbone.Backbone.export_settings`, or a diffusers denoiser, FSDP2-sharded or not)
+    with the same parameter names, values and dtypes; None on other ranks."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not _is_rank0():
         return None
@@ -50,7 +51,7 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
     if inner is None:
         plain = _skeleton(model)
     else:
-        plain = _plain_class(model)(_skeleton(inner))
+        plain = _plain_class(model).from_settings(_skeleton(inner), model.export_settings())
     plain.load_state_dict(full, strict=True, assign=True)
     return plain.requires_grad_(False)
 

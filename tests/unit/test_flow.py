@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from pretrain.flow import cfg_combine, euler_sample, flow_matching_loss, interpolate, velocity_target
-from pretrain.schedule import sigma_schedule
+from pretrain.flow import (cfg_combine, euler_sample, flow_matching_loss, interpolate, noise_matching_loss,
+                           velocity_target)
+from pretrain.schedule import sample_discrete_training_sigmas, sigma_schedule
 
 
 def test_interpolation_and_target_by_hand():
@@ -23,6 +24,29 @@ def test_flow_matching_loss_equals_hand_computed_number():
     per_sample = flow_matching_loss(v_pred, x0, eps)
     assert per_sample.tolist() == [1.0, 0.5]
     assert float(per_sample.mean()) == 0.75
+
+
+def test_noise_matching_loss_equals_hand_computed_number():
+    # same numbers as above; sigma [0.5, 0.75] -> (1 - sigma) errors [[0.5, -0.5], [0, 0.25]]
+    # -> per-sample means of squares [0.25, 0.03125]
+    x0 = torch.tensor([[1.0, 0.0], [0.0, -1.0]])
+    eps = torch.tensor([[0.0, 1.0], [2.0, 1.0]])
+    v_pred = torch.tensor([[0.0, 0.0], [2.0, 3.0]])
+    assert noise_matching_loss(v_pred, x0, eps, torch.tensor([0.5, 0.75])).tolist() == [0.25, 0.03125]
+    # it is the epsilon error: eps_hat = x_sigma + (1 - sigma) v_pred
+    sigma = torch.tensor([0.3, 0.9])
+    eps_hat = interpolate(x0, eps, sigma) + (1 - sigma)[:, None] * v_pred
+    assert torch.allclose(noise_matching_loss(v_pred, x0, eps, sigma), (eps_hat - eps).square().mean(1))
+
+
+def test_discrete_training_sigmas_come_from_the_table():
+    table = torch.tensor([0.1, 0.2, 0.4, 0.8])
+    gens = [torch.Generator().manual_seed(i) for i in range(64)]
+    draws = sample_discrete_training_sigmas(gens, table)
+    assert draws.dtype == torch.float32 and draws.shape == (64,)
+    assert set(draws.tolist()) == set(table.tolist())  # every entry, nothing else
+    with pytest.raises(ValueError, match="non-empty 1-D table"):
+        sample_discrete_training_sigmas(gens, torch.zeros(0))
 
 
 def test_flow_matching_loss_is_float32_for_half_inputs():

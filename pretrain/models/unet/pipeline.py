@@ -1,11 +1,6 @@
 """Stable Diffusion 1.x / 2.x (``StableDiffusionPipeline``) and SDXL (``StableDiffusionXLPipeline``)
 folders: a ``UNet2DConditionModel`` predicting epsilon (or v / x0) under a DDPM-type schedule, behind
-the flow-matching backbone interface.
-
-The state is the flow state y = x_t / (alpha_t + s_t) at sigma = s_t / (alpha_t + s_t); the adapter
-feeds the UNet x_t = y / sqrt((1 - sigma)^2 + sigma^2) at the scheduler timestep of sigma and returns
-v = eps_hat - x0_hat. The derivation, and why our Euler ODE sampler then walks exactly the pipeline's
-DDIM (eta 0) or Euler discrete steps, is in :mod:`pretrain.models.unet.vp_schedule`.
+the flow-matching backbone interface through :class:`pretrain.models.unet.adapter.UNetAdapter`.
 
 Conditioning, as the pipelines' ``encode_prompt`` and ``__call__`` build it:
 
@@ -26,60 +21,15 @@ from pathlib import Path
 
 import torch
 
-from pretrain.backbone import Backbone
 from pretrain.codec import VAECodec
 from pretrain.models.common import PipelinePromptEncoder, call_defaults, checked_options, family_meta
-from pretrain.models.unet.vp_schedule import VPSchedule, flow_velocity, vp_state
-from pretrain.text_encoder import PromptEmbeds
+from pretrain.models.unet.adapter import UNetAdapter
+from pretrain.models.unet.vp_schedule import VPSchedule
 
 COMPONENT = "unet"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-UNET_ATTENTION = [f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")]
 OPTIONS = ("image_size", "guidance_scale", "num_inference_steps", "dtype", "scheduler")
 SCHEDULERS = {"ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler"}
-
-
-class UNetAdapter(Backbone):
-    """``forward(x [B, C, h, w] flow state, sigma [B] in [0, 1], embeds) -> velocity float32``
-    around a ``UNet2DConditionModel`` (``self.transformer``, the interface's name). ``schedule``: the
-    folder scheduler's :class:`VPSchedule`; ``time_ids``: SDXL's ``[1, 6]`` added time ids, None for SD
-    1.x / 2.x. Blocks (FSDP2 units): ``down_blocks``, ``mid_block``, ``up_blocks``; no sequence-parallel
-    plan."""
-
-    lora_targets = UNET_ATTENTION
-    block_attrs = ("down_blocks", "mid_block", "up_blocks")
-
-    def __init__(self, unet: torch.nn.Module, schedule: VPSchedule, time_ids: torch.Tensor | None = None):
-        super().__init__(unet)
-        self.schedule, self.time_ids = schedule, time_ids
-
-    def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
-        """The pipeline scheduler's sigmas in flow coordinates, float32 ``[n + 1]`` ending at 0.
-        ``shift`` must be None (or 1): the scheduler owns the schedule; ``ValueError`` otherwise."""
-        if shift not in (None, 1, 1.0):
-            raise ValueError(f"the UNet family samples its scheduler's timesteps; shift must be null, got {shift}")
-        return self.schedule.sigmas(num_inference_steps)
-
-    def initial_scale(self, sigma0: float) -> float:
-        """y0 = noise * scale reproduces the pipeline's ``latents * init_noise_sigma`` (see
-        :meth:`VPSchedule.initial_scale`)."""
-        return self.schedule.initial_scale(sigma0)
-
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        """The scheduler timestep of the VP state at flow ``sigma`` (:meth:`VPSchedule.timestep`)."""
-        return self.schedule.timestep(sigma.to(torch.float32)).float()
-
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
-        dtype = next(self.transformer.parameters()).dtype
-        sigma = sigma.to(x.device, torch.float32).expand(x.shape[0])
-        added = None
-        if self.time_ids is not None:
-            added = {"text_embeds": embeds.pooled.to(x.device, dtype),
-                     "time_ids": self.time_ids.to(x.device, dtype).expand(x.shape[0], -1)}
-        pred = self.transformer(vp_state(x.float(), sigma).to(dtype), self.schedule.timestep(sigma),
-                                encoder_hidden_states=embeds.tokens.to(x.device, dtype), added_cond_kwargs=added,
-                                return_dict=False)[0]
-        return flow_velocity(pred, x, sigma, self.schedule.prediction_type)
 
 
 class UNetPromptEncoder(PipelinePromptEncoder):

@@ -145,6 +145,11 @@ class VPSchedule:
         sig = ve / (1 + ve)
         return torch.cat([sig, sig.new_zeros(1)]).float()
 
+    def train_sigmas(self) -> torch.Tensor:
+        """The flow sigma of every training timestep t = 0 .. T - 1, float32 ``[T]``, increasing:
+        sigma_ve(t) / (1 + sigma_ve(t)) (:meth:`timestep` maps each back to t exactly)."""
+        return (self.ve_table / (1 + self.ve_table)).float()
+
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """The model timestep float32 ``[B]`` (in [0, T - 1]) for flow sigmas ``sigma`` [B] (interpolated
         in the sigma_ve table, see the module docstring)."""
