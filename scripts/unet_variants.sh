@@ -10,7 +10,7 @@ BASE=runs/emoji_unet/pretrain/export
 test -f "$BASE/posttrain.json" || { echo "missing $BASE: run \`posttrain pretrain configs/pretrain/emoji_unet.yaml\` first" >&2; exit 1; }
 exports=("$BASE")
 for cfg in ddpo/emoji_jpeg grpo/emoji_unet_jpeg; do
-  run="runs/unet_$(dirname "$cfg")"
+  run="runs/unet_$(dirname "$cfg")_full"
   rm -rf "$run"
   /usr/bin/time -f "$cfg: %e s, peak RSS %M KB" "$PT" grpo "configs/$cfg.yaml" "model.pretrained=$BASE" "run_dir=$run"
   exports+=("$run/grpo/export")
