@@ -181,3 +181,28 @@ def test_sdxl_dpo_config_loads(folders):
     cfg = load_config(DPOConfig, path, [f"model.pretrained={folders['sdxl_euler_eps']}"])
     assert cfg.model.options["image_size"] == 1024 and cfg.dpo.beta == 5000 and cfg.dpo.error_space == "noise"
     assert cfg.source == "offline" and cfg.offline.path
+
+
+@pytest.mark.parametrize("name", ["sd_ddim_eps", "sd_ddim_v"])
+def test_ddpo_ddim_step_ratio_is_one_on_sd_folders(folders, name):
+    """DDPO's sampler (the ``ddim`` step, eta 1) on an SD folder predicting epsilon or v: rollout batch 4,
+    every transition recomputed one sample at a time gives ratio 1 before any update."""
+    from rollout.config import RolloutConfig
+    from rollout.sampler import Sampler, log_prob
+
+    model, encoder, codec, meta = load_exported(folders[name])
+    cfg = RolloutConfig(step="ddim", noise_level=1.0, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                        group_size=2, batch_size=4)
+    sampler = Sampler.build(cfg, model, encoder, "cpu", None)
+    size = meta["image_size"]
+    traj = sampler.sample(model, codec, encoder.encode([p for p in PROMPTS for _ in range(2)]), PROMPTS * 2,
+                          group_ids=torch.tensor([0, 0, 1, 1]), sample_ids=[0, 1, 2, 3],
+                          latent_shape=codec.latent_shape(size, size), seed=0, iteration=0, device="cpu")
+    assert (traj.log_probs[:, :-1] != 0).all() and (traj.log_probs[:, -1] == 0).all()  # the step to sigma 0
+    worst = 0.0
+    with torch.no_grad():
+        for i in range(4):
+            mb = traj.select(torch.tensor([i]))
+            for t in range(STEPS):
+                worst = max(worst, float((torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t]) - 1).abs()))
+    assert worst <= 1e-5, worst
