@@ -44,9 +44,10 @@ def _grpo(rank, world, export, run_dir, overrides=()):
         records.append({"images": traj.images.clone(), "sample_ids": traj.sample_ids.clone()})
         return traj
 
-    def keep_advantages(total, raw, weights, group_ids):
-        out = advantages(total, raw, weights, group_ids)
-        records[-1].update(total=total.clone(), group_ids=group_ids.clone(), adv=out[0].clone())
+    def keep_advantages(total, raw, weights, group_ids, prompt_ids):
+        out = advantages(total, raw, weights, group_ids, prompt_ids)
+        records[-1].update(total=total.clone(), group_ids=group_ids.clone(), prompt_ids=prompt_ids.clone(),
+                           adv=out[0].clone())
         return out
 
     run.sampler.rollout, run.parts.advantage = keep_rollout, keep_advantages
@@ -95,7 +96,7 @@ def test_iteration_1_rewards_and_advantages_identical(runs):
     assert ref["total"].std() > 1e-4  # a continuous reward with spread: advantages are not all 0
     for r in two:  # every rank computed advantages on the gathered (single-process) tensors
         rec = r["records"][0]
-        assert torch.equal(rec["group_ids"], ref["group_ids"])
+        assert torch.equal(rec["group_ids"], ref["group_ids"]) and torch.equal(rec["prompt_ids"], ref["prompt_ids"])
         assert torch.equal(rec["total"], ref["total"])
         assert torch.equal(rec["adv"], ref["adv"])
     assert ref["adv"].abs().max() > 0.5
