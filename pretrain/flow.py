@@ -43,8 +43,7 @@ def noise_matching_loss(v_pred: torch.Tensor, x0: torch.Tensor, noise: torch.Ten
     velocity prediction: the noise prediction at (x_sigma, sigma) is eps_hat = x_sigma + (1 - sigma) v_pred,
     so eps_hat - eps = (1 - sigma)(v_pred - (eps - x0)), and the loss is the mean over non-batch elements
     of ((1 - sigma)(v_pred - (eps - x0)))^2, in float32. ``sigma``: ``[B]`` in [0, 1]."""
-    err = v_pred.float() - velocity_target(x0.float(), noise.float())
-    return ((1 - _bcast(sigma.float(), err)) * err).square().flatten(1).mean(1)
+    return (1 - sigma.float()).square() * flow_matching_loss(v_pred, x0, noise)
 
 
 def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:

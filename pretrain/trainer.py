@@ -99,11 +99,13 @@ def batch_arithmetic(cfg: RuntimeConfig, n_train: int, dp: int = 1) -> str:
 
 
 def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, cfg: PretrainConfig, device,
-               ranks: JobRanks | None = None) -> dict:
+               ranks: JobRanks | None = None, train_sigmas: torch.Tensor | None = None) -> dict:
     """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` samples;
     every rank draws the same indices and trains its ``ranks.share`` of each, with per-sample noise keyed
     by (seed, step, index within the step), so N ranks train what one process trains. ``loss`` is the
-    mean over the global batch (all-reduced). Returns the step's metrics."""
+    mean over the global batch (all-reduced). ``train_sigmas``: the table ``flow.objective`` draws from
+    (:func:`pretrain.objective.objective_sigmas`, computed once per run), None for a continuous one.
+    Returns the step's metrics."""
     step, t0 = rt.step, time.perf_counter()
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
     lo, hi = ranks.share(b) if ranks else (0, b)
@@ -113,7 +115,7 @@ def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, 
         images, embeds, _ = data.batch(sampler.next(b)[lo:hi])
         x0 = codec.encode(images.to(device))
         noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b + lo, micro * b + hi),
-                                                 cfg.flow, train_sigmas=objective_sigmas(model, cfg.flow))
+                                                 cfg.flow, train_sigmas=train_sigmas)
         with rt.autocast():
             loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop, cfg.flow.objective)
         rt.backward(loss)
@@ -154,7 +156,7 @@ class PretrainRun:
                                                 encoder.pooled_dim).to(device)
         n_params = count_parameters(model)
         try:  # e.g. flow.objective epsilon on a model without discrete training timesteps
-            objective_sigmas(model, cfg.flow)
+            self.train_sigmas = objective_sigmas(model, cfg.flow)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         ranks.shard(model, None, cfg.parallel)
@@ -184,7 +186,7 @@ class PretrainRun:
 
     def train_step(self) -> dict:
         metrics = train_step(self.model, self.rt, self.train_set, self.sampler, self.codec, null=self.null,
-                             cfg=self.cfg, device=self.device, ranks=self.ranks)
+                             cfg=self.cfg, device=self.device, ranks=self.ranks, train_sigmas=self.train_sigmas)
         if metrics["nonfinite"]:
             self.logger.write(f"step {self.rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "
                               f"({metrics['nonfinite_total']} so far)")

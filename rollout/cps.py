@@ -20,11 +20,7 @@ import math
 
 import torch
 
-from rollout.sde import SDEStep, gaussian_transition
-
-
-def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [B] -> [B, 1, ...]
-    return t.reshape(t.shape + (1,) * (like.ndim - t.ndim))
+from rollout.sde import SDEStep, batch_sigmas, gaussian_transition, per_sample
 
 
 def preserving_transition(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -37,9 +33,9 @@ def preserving_transition(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.
     with 0 <= std <= sigma_next. Result as :func:`rollout.sde.sde_step`, ``std_dev_t`` = ``step_std`` =
     ``std``; ``ValueError`` naming ``name`` without ``noise`` or ``prev_sample`` while std > 0."""
     x32, v32 = x.float(), velocity.float()
-    s, sn = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
+    s, sn = per_sample(sigma, x32), per_sample(sigma_next, x32)
     x0_hat, x1_hat = x32 - s * v32, x32 + (1 - s) * v32
-    mean = (1 - sn) * x0_hat + _per_sample(torch.sqrt((sigma_next ** 2 - std ** 2).clamp(min=0.0)), x32) * x1_hat
+    mean = (1 - sn) * x0_hat + per_sample(torch.sqrt((sigma_next ** 2 - std ** 2).clamp(min=0.0)), x32) * x1_hat
     prev_sample, log_prob = gaussian_transition(mean, std, noise, prev_sample, name)
     return SDEStep(prev_sample, log_prob, mean, std, std)
 
@@ -51,9 +47,7 @@ def cps_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma
     :func:`rollout.sde.sde_step` (``std_dev_t`` = ``step_std`` = s, float32 ``[B]``; ``sigma_after_one``
     is unused: CPS never divides by 1 - sigma). ``noise_level`` in [0, 1]. Raises ``ValueError`` if
     neither ``noise`` nor ``prev_sample`` is given while the step is stochastic."""
-    b = x.shape[0]
-    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
-    sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device).expand(b)
+    sigma, sigma_next = batch_sigmas(sigma, x), batch_sigmas(sigma_next, x)
     std = sigma_next * math.sin(noise_level * math.pi / 2)
     return preserving_transition(x, velocity, sigma, sigma_next, std, noise=noise, prev_sample=prev_sample,
                                  name="cps_step")

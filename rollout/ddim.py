@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from rollout.cps import preserving_transition
-from rollout.sde import SDEStep
+from rollout.sde import SDEStep, batch_sigmas
 
 
 def vp_alpha_squared(sigma: torch.Tensor) -> torch.Tensor:
@@ -53,9 +53,7 @@ def ddim_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigm
     ``[B]``, flow sigmas); arguments and result as :func:`rollout.sde.sde_step` (``std_dev_t`` =
     ``step_std`` = the flow-coordinate std, float32 ``[B]``; ``sigma_after_one`` is unused). Raises
     ``ValueError`` if neither ``noise`` nor ``prev_sample`` is given while the step is stochastic."""
-    b = x.shape[0]
-    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
-    sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device).expand(b)
+    sigma, sigma_next = batch_sigmas(sigma, x), batch_sigmas(sigma_next, x)
     std = ddim_std(sigma, sigma_next, noise_level)
     return preserving_transition(x, velocity, sigma, sigma_next, std, noise=noise, prev_sample=prev_sample,
                                  name="ddim_step")

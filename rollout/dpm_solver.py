@@ -25,13 +25,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [B] -> [B, 1, ...]
-    return t.reshape(t.shape + (1,) * (like.ndim - t.ndim))
-
-
-def _sigmas(sigma, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(sigma, dtype=torch.float32, device=like.device).expand(like.shape[0])
+from rollout.sde import batch_sigmas, per_sample
 
 
 def _half_log_snr(sigma: torch.Tensor) -> torch.Tensor:
@@ -43,7 +37,7 @@ def flow_data_prediction(x: torch.Tensor, velocity: torch.Tensor, sigma) -> torc
     """x0_hat = x - sigma v, float32 ``[B, ...]`` (``x``, ``velocity``: ``[B, ...]`` any float dtype;
     ``sigma``: a scalar or ``[B]`` in [0, 1])."""
     x32 = x.float()
-    return x32 - _per_sample(_sigmas(sigma, x32), x32) * velocity.float()
+    return x32 - per_sample(batch_sigmas(sigma, x32), x32) * velocity.float()
 
 
 def dpmpp_2m_update(x: torch.Tensor, x0: torch.Tensor, sigma, sigma_next, x0_prev: torch.Tensor | None = None,
@@ -60,12 +54,12 @@ def dpmpp_2m_update(x: torch.Tensor, x0: torch.Tensor, sigma, sigma_next, x0_pre
     step to sigma_next = 0, whose result is x0_hat (diffusers' ``lower_order_final``).
     Source: Lu et al. 2022, arXiv 2211.01095, Algorithm 2 (DPM-Solver++(2M))."""
     x32, d = x.float(), x0.float()
-    s, t = _sigmas(sigma, x32), _sigmas(sigma_next, x32)
+    s, t = batch_sigmas(sigma, x32), batch_sigmas(sigma_next, x32)
     ratio = t / s                            # sigma_t / sigma_s
     coef = (1 - t) - ratio * (1 - s)         # -alpha_t (e^-h - 1)
     if x0_prev is not None:
         lam_s = _half_log_snr(s)
-        h, h_prev = _half_log_snr(t) - lam_s, lam_s - _half_log_snr(_sigmas(sigma_prev, x32))
+        h, h_prev = _half_log_snr(t) - lam_s, lam_s - _half_log_snr(batch_sigmas(sigma_prev, x32))
         r = torch.where(t > 0, h / h_prev, torch.zeros_like(h))  # to sigma 0: first order
-        d = d + _per_sample(0.5 * r, d) * (d - x0_prev.float())
-    return _per_sample(ratio, x32) * x32 + _per_sample(coef, x32) * d
+        d = d + per_sample(0.5 * r, d) * (d - x0_prev.float())
+    return per_sample(ratio, x32) * x32 + per_sample(coef, x32) * d

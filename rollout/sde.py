@@ -33,8 +33,14 @@ class SDEStep:
     step_std: torch.Tensor
 
 
-def _b(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[B]`` reshaped to ``[B, 1, ...]`` to broadcast against ``like`` ``[B, ...]``."""
     return t.reshape(t.shape + (1,) * (like.ndim - t.ndim))
+
+
+def batch_sigmas(sigma, like: torch.Tensor) -> torch.Tensor:
+    """A sigma (a scalar or ``[B]``) as float32 ``[B]`` on ``like``'s device (B = ``like.shape[0]``)."""
+    return torch.as_tensor(sigma, dtype=torch.float32, device=like.device).expand(like.shape[0])
 
 
 def sde_std_dev(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float,
@@ -51,7 +57,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     Rows with std == 0 give 0 (a deterministic step carries no density)."""
     x, mean, std = x.float(), mean.float(), std.float()
     safe = torch.where(std > 0, std, torch.ones_like(std))
-    lp = (-((x - mean) ** 2) / (2 * _b(safe, x) ** 2) - torch.log(_b(safe, x)) - 0.5 * math.log(2 * math.pi))
+    lp = (-((x - mean) ** 2) / (2 * per_sample(safe, x) ** 2) - torch.log(per_sample(safe, x)) - 0.5 * math.log(2 * math.pi))
     return torch.where(std > 0, lp.flatten(1).mean(1), torch.zeros_like(std))
 
 
@@ -66,7 +72,7 @@ def gaussian_transition(mean: torch.Tensor, step_std: torch.Tensor, noise: torch
             if bool((step_std > 0).any()):
                 raise ValueError(f"{name}: pass `noise` to sample or `prev_sample` to evaluate")
             noise = torch.zeros_like(mean)
-        prev_sample = mean + _b(step_std, mean) * noise.float()
+        prev_sample = mean + per_sample(step_std, mean) * noise.float()
     return prev_sample, gaussian_log_prob(prev_sample, mean, step_std)
 
 
@@ -83,14 +89,12 @@ def sde_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma
         sigma_after_one: the schedule's sigma after 1 (``sigmas[1]``), used where sigma == 1.
     Raises ``ValueError`` if neither ``noise`` nor ``prev_sample`` is given while the step is
     stochastic."""
-    b = x.shape[0]
     x32, v32 = x.float(), velocity.float()
-    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)
-    sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device).expand(b)
+    sigma, sigma_next = batch_sigmas(sigma, x), batch_sigmas(sigma_next, x)
     dt = sigma_next - sigma
     std_dev_t = sde_std_dev(sigma, sigma_next, noise_level, sigma_after_one)
-    s, d = _b(sigma, x32), _b(dt, x32)
-    mean = x32 + v32 * d + (_b(std_dev_t, x32) ** 2 / (2 * s)) * (x32 + (1 - s) * v32) * d
+    s, d = per_sample(sigma, x32), per_sample(dt, x32)
+    mean = x32 + v32 * d + (per_sample(std_dev_t, x32) ** 2 / (2 * s)) * (x32 + (1 - s) * v32) * d
     step_std = std_dev_t * torch.sqrt(-dt)
     prev_sample, log_prob = gaussian_transition(mean, step_std, noise, prev_sample, "sde_step")
     return SDEStep(prev_sample, log_prob, mean, std_dev_t, step_std)
