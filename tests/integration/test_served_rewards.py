@@ -229,7 +229,7 @@ def judge():
 
 
 def test_remote_judge_scores_equal_in_process_in_any_completion_order(judge, images, monkeypatch):
-    delays = [0.03 * k for k in torch.randperm(B, generator=torch.Generator().manual_seed(1)).tolist()]
+    delays = [0.1 * k for k in torch.randperm(B, generator=torch.Generator().manual_seed(1)).tolist()]
     server = judge(delay=lambda text: delays[int(text.split("'")[1].split()[-1])])
     monkeypatch.setenv("TEST_JUDGE_KEY", "sk-local")
     reward = RemoteJudge(server.base_url, model="judge-vl", prompt_template="Rate '{prompt}'. {braces} kept",
