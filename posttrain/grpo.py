@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from posttrain.distributed_grpo import RankLayout
-from posttrain.grpo_update import GRPOAlgorithmConfig, GRPOUpdate
+from posttrain.grpo_update import GRPOAlgorithmConfig
 from pretrain.runtime.loop import run_stage
 from posttrain.perf import compile_blocks, merge_lora_blocker, records_uncond, resolve_perf
 from posttrain.stage import PolicyStage
@@ -53,6 +53,7 @@ class GRPOConfig(StageConfig):
         super().validate(prefix)
         check_reward_weights(self.rewards)
         iteration_shape(self)
+        check_log_probs(self)
         blocker = merge_lora_blocker(self.train.precision, distributed=False)  # several ranks: checked at start
         if self.perf.merge_lora and self.policy.lora_rank > 0 and blocker:
             raise ValueError(f"perf.merge_lora: true cannot be honoured with {blocker}; set perf.merge_lora=false")
@@ -68,6 +69,18 @@ def iteration_shape(cfg: GRPOConfig) -> tuple[int, int, int]:
     if (n // mb) % accum:
         raise ValueError(f"train.grad_accum={accum} must divide the {n // mb} mini-batches per epoch")
     return n, n // mb, cfg.grpo.inner_epochs * (n // mb) // accum
+
+
+def check_log_probs(cfg: GRPOConfig) -> None:
+    """``ValueError`` naming ``grpo.loss.name`` when the loss trains on log-probs and ``rollout.step``
+    is deterministic (it records none)."""
+    from rollout.steps import get_step
+
+    loss = cfg.grpo.build().loss
+    if getattr(loss, "needs_log_probs", True) and getattr(get_step(cfg.rollout.step), "deterministic", False):
+        raise ValueError(f"grpo.loss.name: '{cfg.grpo.loss['name']}' trains on the rollout's log-probs; rollout.step "
+                         f"'{cfg.rollout.step}' records none (use sde, cps or ddim, or a forward-process loss: "
+                         f"nft, awm, dgpo)")
 
 
 LAST = ("lr", "nonfinite_total", "amp_overflows")
@@ -119,7 +132,7 @@ class GRPORun:
         self.shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
         self.sampler = Sampler.build(ro, st.model, st.encoder, st.device, self.shift)
         self.parts = cfg.grpo.build()
-        self.update = GRPOUpdate(cfg.grpo, self.perf, self.parts)
+        self.update = self.parts.update(cfg.grpo, self.perf, st.policy)
         self.n, _, self.opt_per_iter = iteration_shape(cfg)
         self.prompts = EpochSampler(len(st.train_set), self.seed)
         self.rewards = CompositeReward(cfg.rewards)
@@ -134,7 +147,8 @@ class GRPORun:
                  "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,
                  "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape()}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, **self.parts.stateful()},
+                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, **self.parts.stateful(),
+                                                                                **self.update.stateful()},
                                total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)
         resumed = rt.start(cfg.checkpoint.resume)
         self.step = rt.step // self.opt_per_iter
@@ -154,9 +168,9 @@ class GRPORun:
         self.logger.write(ranks.describe())
 
     def sampling_model(self) -> torch.nn.Module:
-        """The module the rollout samples with: the policy, or its LoRA-merged copy (``perf.merge_lora``)."""
-        policy = self.st.policy
-        return policy.inference_model(self.rt.step) if self.perf.merge_lora else policy.model
+        """The module the rollout samples with (the update's choice: the policy, its LoRA-merged copy
+        with ``perf.merge_lora``, or the old copy of a forward-process loss that samples with it)."""
+        return self.update.rollout_model(self.st.policy, self.rt.step)
 
     def train_step(self) -> dict:
         """One iteration: rollout (this rank's share), rewards gathered over ranks, advantages and the

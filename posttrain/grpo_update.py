@@ -23,7 +23,9 @@ class GRPOAlgorithmConfig:
     give its options (:mod:`posttrain.parts.registry`): built in are advantages ``group`` (``clip_max``)
     ``per_reward`` (DanceGRPO) and ``per_prompt`` (DDPO's per-prompt stat tracking: ``buffer_size``,
     ``min_count``, ``clip_max``), selections ``all`` (``drop_zero_spread_groups``) and ``best_of_n``
-    (``k``; DanceGRPO), loss ``ppo_clip_kl`` (``clip_range``, ``beta``). ``inner_epochs``: passes over
+    (``k``; DanceGRPO), losses ``ppo_clip_kl`` (``clip_range``, ``beta``) on the rollout's log-probs and
+    the forward-process losses ``nft`` (DiffusionNFT), ``awm`` (Advantage Weighted Matching) and
+    ``dgpo`` (DGPO), which need none (:mod:`posttrain.forward_update`). ``inner_epochs``: passes over
     the buffer per iteration;
     ``detach_uncond``: no gradient through the unconditional CFG branch (default; false = flow_grpo's
     behaviour, gradients through both branches; the loss value is the same either way)."""
@@ -66,6 +68,11 @@ class GRPOParts:
         """The parts that keep state across iterations (they have ``state_dict``), by checkpoint key."""
         return {f"grpo.{k}": p for k, p in vars(self).items() if hasattr(p, "state_dict")}
 
+    def update(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None, policy):
+        """The update engine the loss trains with: its ``update_class`` (e.g. the forward-process
+        update of ``nft`` / ``awm`` / ``dgpo``), else :class:`GRPOUpdate` (per-transition log-probs)."""
+        return getattr(self.loss, "update_class", GRPOUpdate)(cfg, perf, self, policy)
+
 
 def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: torch.Tensor, mask: torch.Tensor,
                     *, loss, branches: CFGBranches):
@@ -100,9 +107,19 @@ class GRPOUpdate:
     """One iteration's policy update: ``cfg`` the ``grpo:`` block, ``perf`` the speed options (same
     loss and gradients up to float rounding; ``perf.merge_lora`` resolved to a bool by the caller)."""
 
-    def __init__(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None = None, parts: GRPOParts | None = None):
+    def __init__(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None = None, parts: GRPOParts | None = None,
+                 policy=None):
         self.cfg, self.perf = cfg, perf or PerfConfig(merge_lora=False)
         self.parts = parts or cfg.build()
+
+    def stateful(self) -> dict:
+        """State to checkpoint beyond the parts' own: none."""
+        return {}
+
+    def rollout_model(self, policy, version: int) -> torch.nn.Module:
+        """The module to sample rollouts with: the policy, or its LoRA-merged copy (``perf.merge_lora``)
+        refreshed at ``version`` (the optimizer step)."""
+        return policy.inference_model(version) if self.perf.merge_lora else policy.model
 
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
                  transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:

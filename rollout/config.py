@@ -25,6 +25,9 @@ class RolloutConfig:
       the SDE noise the log-probs credit;
     - which transitions are trained: ``timestep_fraction`` of them, ``timestep_selection`` "first"
       (Flow-GRPO: 0.99 of 10 trains 9) or "random" (one random subset per iteration, DanceGRPO);
+    - ``step: ode``: deterministic, no log-probs (:mod:`rollout.ode`): every transition is taken by
+      ``ode_solver`` (``noise_level``, ``sde_window`` and the trained-transition keys do not apply),
+      for the forward-process losses (``nft``, ``awm``, ``dgpo``);
     - ``sde_window`` (:class:`rollout.window.WindowConfig`): which transitions are stochastic. With a
       window, only its transitions are stochastic and trained (``timestep_fraction`` does not apply,
       ``timestep_selection: random`` is refused); the others take the deterministic step;
@@ -55,7 +58,10 @@ class RolloutConfig:
         from rollout.ode_solver import get_ode_solver
         from rollout.steps import get_step
 
-        limit = getattr(get_step(self.step, f"{prefix}step"), "noise_level_max", None)
+        step = get_step(self.step, f"{prefix}step")
+        if getattr(step, "deterministic", False):
+            return self._check_deterministic(prefix)
+        limit = getattr(step, "noise_level_max", None)
         if limit is not None and self.noise_level > limit:
             raise ValueError(f"{prefix}noise_level: step '{self.step}' takes at most {limit}, got {self.noise_level}")
         require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
@@ -78,3 +84,18 @@ class RolloutConfig:
         if self.sde_window.size and self.timestep_selection != "first":
             raise ValueError(f"{prefix}timestep_selection: with an sde_window the window's transitions are "
                              f"trained; '{self.timestep_selection}' does not apply")
+
+    def _check_deterministic(self, prefix: str) -> None:
+        """A deterministic step type: every transition is taken by ``ode_solver``; no window, nothing
+        stochastic (``noise_level`` is not used)."""
+        from rollout.ode_solver import get_ode_solver
+
+        require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
+        if self.group_size < 2:
+            raise ValueError(f"{prefix}group_size: must be >= 2 (group advantages of one sample are 0)")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
+        get_ode_solver(self.ode_solver, f"{prefix}ode_solver")
+        if self.sde_window.size:
+            raise ValueError(f"{prefix}sde_window: step '{self.step}' is deterministic: no transition is "
+                             f"stochastic (set sde_window.size 0, or use step sde / cps / ddim)")

@@ -57,16 +57,23 @@ class Sampler:
     def num_steps(self) -> int:
         return len(self.settings.sigmas) - 1
 
+    def window(self, seed: int, iteration: int) -> tuple[int, int] | None:
+        """The SDE window [lo, hi) of ``iteration``: (0, 0) for a deterministic step type (every
+        transition after it, taken by ``ode_solver``), None when every transition is stochastic."""
+        if getattr(self.step, "deterministic", False):
+            return 0, 0
+        return self.cfg.sde_window.bounds(self.num_steps, seed, iteration)
+
     def settings_for(self, seed: int, iteration: int) -> SamplingSettings:
         """The settings of ``iteration``: ``self.settings`` with that iteration's SDE window."""
-        window = self.cfg.sde_window.bounds(self.num_steps, seed, iteration)
+        window = self.window(seed, iteration)
         return self.settings if window is None else dataclasses.replace(self.settings, window=window)
 
     def train_transitions(self, seed: int, iteration: int) -> list[int]:
-        """The transitions trained this iteration: the SDE window's, or without one
-        ``timestep_fraction`` / ``timestep_selection`` (a random subset is drawn from (seed, "train",
-        iteration))."""
-        window = self.cfg.sde_window.bounds(self.num_steps, seed, iteration)
+        """The transitions trained this iteration: the SDE window's (none for a deterministic step
+        type), or without one ``timestep_fraction`` / ``timestep_selection`` (a random subset is drawn
+        from (seed, "train", iteration))."""
+        window = self.window(seed, iteration)
         if window is not None:
             return list(range(*window))
         return train_timesteps(self.num_steps, self.cfg.timestep_fraction, self.cfg.timestep_selection,

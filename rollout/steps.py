@@ -14,12 +14,15 @@ from typing import Callable
 
 from rollout.cps import cps_step
 from rollout.ddim import ddim_step
+from rollout.ode import ode_step
 from rollout.sde import sde_step
 
 #: ``sde``: Flow-GRPO's SDE (Liu et al. 2025); ``cps``: Coefficients-Preserving Sampling (Wang et al. 2025);
 #: ``ddim``: DDIM with eta = noise_level (Song et al. 2021), DDPO's sampler (Black et al. 2023).
-#: A step function may set ``noise_level_max``, checked when the config loads.
-STEPS: dict[str, Callable] = {"sde": sde_step, "cps": cps_step, "ddim": ddim_step}
+#: ``ode``: the deterministic Euler step, no log-probs (forward-process methods: NFT, AWM, DGPO).
+#: A step function may set ``noise_level_max`` (checked when the config loads) and ``deterministic``
+#: (every transition is then taken by ``rollout.ode_solver``; nothing to recompute).
+STEPS: dict[str, Callable] = {"sde": sde_step, "cps": cps_step, "ddim": ddim_step, "ode": ode_step}
 
 
 def register_step(name: str, fn: Callable) -> None:

@@ -49,7 +49,7 @@ def test_trajectory_records_its_settings_and_recomputes_from_them(tiny_export):
 
 
 def test_unknown_step_type_names_the_key():
-    with pytest.raises(ValueError, match=r"rollout\.step: unknown step type 'ddpm'; known: \['cps', 'ddim', 'sde'\]"):
+    with pytest.raises(ValueError, match=r"rollout\.step: unknown step type 'ddpm'; known: \['cps', 'ddim', 'ode', 'sde'\]"):
         RolloutConfig(step="ddpm").validate("rollout.")
     with pytest.raises(ValueError, match=r"rollout\.noise_level: step 'cps' takes at most 1.0, got 1.5"):
         RolloutConfig(step="cps", noise_level=1.5).validate("rollout.")
