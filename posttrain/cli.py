@@ -1,7 +1,7 @@
 """The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo CONFIG [key=value ...]`), chain
-stages (`posttrain pipeline CONFIG`), sample (`posttrain sample MODEL ...`), evaluate
-(`posttrain eval MODEL [MODEL ...]`), serve rewards over HTTP (`posttrain serve-reward CONFIG`), train
-the learned_clip reward model (`posttrain train-reward CONFIG [key=value ...]`).
+stages (`posttrain pipeline CONFIG`), race algorithms on equal wall-clock (`posttrain sweep CONFIG`),
+sample (`posttrain sample MODEL ...`), evaluate (`posttrain eval MODEL [MODEL ...]`), serve rewards
+over HTTP (`posttrain serve-reward CONFIG`), train the learned_clip reward model (`posttrain train-reward CONFIG [key=value ...]`).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """
@@ -33,6 +33,14 @@ def _pipeline(args) -> int:
 
     result = run_pipeline(load_config(PipelineConfig, args.config, args.overrides), resume=args.resume)
     print("exports: " + ", ".join(result["exports"]))
+    return 0
+
+
+def _sweep(args) -> int:
+    from posttrain.sweep import SweepConfig, run_sweep
+    from pretrain.config import load_config
+
+    print(f"report: {run_sweep(load_config(SweepConfig, args.config, args.overrides))}")
     return 0
 
 
@@ -117,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         st.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
         st.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
         st.set_defaults(func=_pipeline if name == "pipeline" else _stage)
+    sw = sub.add_parser("sweep", help="race algorithms on equal wall-clock with held-out probes; report + plots")
+    sw.add_argument("config", help="sweep YAML (configs/sweep/*.yaml)")
+    sw.add_argument("overrides", nargs="*", help="dotted overrides, e.g. seeds=[0] run_tasks=[jpeg]")
+    sw.set_defaults(func=_sweep)
     smp = sub.add_parser("sample", help="ODE-sample an exported model into a PNG grid")
     smp.add_argument("model", help="export folder written by `posttrain pretrain`")
     smp.add_argument("--prompts", nargs="+", required=True)

@@ -305,6 +305,7 @@ class DPORun:
         cfg, st, step, metrics = self.cfg, self.st, self.rt.step, {}
         if cfg.source == "online" and (self.pairs is None or step % cfg.online.resample_every == 0):
             metrics = self.resample(step)
+            metrics["samples"] = cfg.online.prompts_per_round * cfg.online.samples_per_prompt  # drawn this step
         metrics.update(dpo_step(st.policy, self.rt, st.codec, self.pairs, self.pair_sampler, cfg=cfg, null=st.null,
                                 step=step, device=st.device, ranks=self.ranks))
         return metrics

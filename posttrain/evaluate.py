@@ -74,7 +74,27 @@ def paired_stats(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float,
     return float(diff.mean()), se, p
 
 
-def _prompts(cfg: EvalConfig, held, train) -> list[str]:
+@torch.no_grad()
+def paired_samples(model, codec, embeds, null, cfg: EvalConfig, image_size: int, shift: float | None, device
+                   ) -> torch.Tensor:
+    """ODE samples of P prompts (``embeds`` ``[P, ...]``) x ``cfg.samples_per_prompt`` seeds, float32
+    ``[K * P, 3, H, W]`` in [0, 1] on the CPU, sample-major: the seed of (prompt i, sample j) is the
+    global index j * P + i, so every model evaluated with ``cfg`` sees the same initial noise."""
+    k, p = cfg.samples_per_prompt, embeds.tokens.shape[0]
+    images = []
+    for j in range(k):
+        noise = initial_noise(p * (j + 1), codec.latent_shape(image_size, image_size), cfg.seed, device=device)[j * p:]
+        for s in range(0, p, cfg.batch_size):
+            sl = slice(s, min(p, s + cfg.batch_size))
+            lat = sample_latents(model, embeds[sl].to(device), null, noise[sl], cfg.num_inference_steps,
+                                 cfg.guidance_scale, shift)
+            images.append(codec.decode(lat).cpu())
+    return torch.cat(images)
+
+
+def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
+    """``cfg.num_prompts`` prompts evenly spaced over ``cfg.prompts`` (heldout, train or a file);
+    ``FileNotFoundError`` naming ``--prompts`` for a missing file."""
     if cfg.prompts in ("heldout", "train"):
         pool = held.captions if cfg.prompts == "heldout" else train.captions
     else:
@@ -106,19 +126,11 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         model.eval()
         default = DataConfig(**meta["data"]) if "data" in meta else DataConfig()  # the pretraining data
         train, held = build_datasets(replace(data or default, size=meta["image_size"]), encoder)
-        prompts = prompts or _prompts(cfg, held, train)
+        prompts = prompts or eval_prompts(cfg, held, train)
         null = encoder.encode([""]).to(device)
         embeds = encoder.encode(prompts)
         k, p = cfg.samples_per_prompt, len(prompts)
-        images = []
-        for j in range(k):  # seed of (prompt i, sample j): global index j * P + i, same for every model
-            noise = initial_noise(p * (j + 1), codec.latent_shape(meta["image_size"], meta["image_size"]), cfg.seed, device=device)[j * p:]
-            for s in range(0, p, cfg.batch_size):
-                sl = slice(s, min(p, s + cfg.batch_size))
-                lat = sample_latents(model, embeds[sl].to(device), null, noise[sl], cfg.num_inference_steps,
-                                     cfg.guidance_scale, meta["sampling"]["shift"])
-                images.append(codec.decode(lat).cpu())
-        images = torch.cat(images)  # [K * P, 3, H, W], sample-major
+        images = paired_samples(model, codec, embeds, null, cfg, meta["image_size"], meta["sampling"]["shift"], device)
         for name, fn in reward_fns.items():
             results["rewards"][name].append(fn(images, prompts * k, None).float().view(k, p).T)
         grid_n = min(cfg.grid_prompts, p)

@@ -204,7 +204,7 @@ class GRPORun:
         if bool(zero.all()):
             self.logger.write(f"iteration {it}: every group has zero reward spread: no learning signal")
         return {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
-                "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
+                "samples": self.n, "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
                 "time_rollout_s": t1 - t0 - codec.seconds, "time_decode_s": codec.seconds,
                 "time_reward_wait_s": self.scorer.wait_seconds, "time_advantage_s": t2 - t1,
                 "time_train_s": t3 - t2, "peak_rss_mb": peak_rss_mb()}

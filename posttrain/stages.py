@@ -35,3 +35,27 @@ def get_stage(command: str) -> tuple[type, Callable]:
     if command not in STAGES:
         raise ValueError(f"unknown stage '{command}'; known: {sorted(STAGES)}")
     return STAGES[command]()
+
+
+def _grpo_run():
+    from posttrain.grpo import GRPORun
+
+    return GRPORun
+
+
+def _dpo_run():
+    from posttrain.dpo import DPORun
+
+    return DPORun
+
+
+#: The post-training stages a sweep can drive step by step: command -> stage-object class
+#: (:mod:`pretrain.runtime.loop`'s protocol, plus ``st`` (:class:`posttrain.stage.PolicyStage`) and ``rt``).
+RUNS: dict[str, Callable[[], type]] = {"grpo": _grpo_run, "dpo": _dpo_run}
+
+
+def get_run(command: str, key: str = "command") -> type:
+    """The stage-object class of post-training stage ``command``; ``ValueError`` naming ``key``."""
+    if command not in RUNS:
+        raise ValueError(f"{key}: '{command}' cannot be swept; known: {sorted(RUNS)}")
+    return RUNS[command]()

@@ -1,0 +1,95 @@
+"""`posttrain sweep`: arms race on equal training seconds, probed on the same held-out prompts; the
+report and plots; a killed sweep resumes where it stopped."""
+
+import json
+
+import pytest
+
+from posttrain import sweep as sweep_mod
+from posttrain.sweep import SweepConfig, read_rows, run_sweep
+from posttrain.sweep_report import mean_se, time_to
+from pretrain.config import ConfigError, load_config
+from tests.conftest import ROOT
+
+TINY = str(ROOT / "configs/grpo/emoji_tiny.yaml")
+
+
+def _sweep_yaml(tmp_path, export, budget=6.0):
+    text = f"""
+run_dir: {tmp_path / 'sweep'}
+pretrained: {export}
+arms:
+  flow_grpo: {{command: grpo, config: {TINY}, overrides: [rollout.prompts_per_step=2]}}
+  awm: {{command: grpo, config: {TINY}, overrides: [rollout.prompts_per_step=2, rollout.step=ode,
+         "~grpo.loss.clip_range", "~grpo.loss.beta", "grpo.loss={{name: awm, timesteps_per_sample: 1}}"]}}
+tasks:
+  jpeg: {{reward: jpeg_compressibility, guard_reward: jpeg_incompressibility, overrides: ["rewards={{jpeg_compressibility: 1.0}}"]}}
+seeds: [0]
+budget_s: {budget}
+eval_every_s: 3
+baseline: flow_grpo
+probe: {{num_prompts: 4, num_inference_steps: 3, guidance_scale: 2.0, guard_samples: 8}}
+"""
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_time_to_target_interpolates_between_probes():
+    rows = [{"train_s": 0.0, "reward": [0.0, 0.0]}, {"train_s": 10.0, "reward": [0.5, 0.5]},
+            {"train_s": 20.0, "reward": [1.5, 0.5]}]
+    assert time_to(rows, 0.75) == pytest.approx(15.0)  # 0.5 at 10 s, 1.0 at 20 s
+    assert time_to(rows, -1.0) == 0.0 and time_to(rows, 2.0) is None
+    m, se = mean_se([1.0, 3.0])
+    assert m == 2.0 and se == pytest.approx(1.0)  # sd sqrt(2) / sqrt(2)
+
+
+def test_sweep_runs_every_arm_and_resumes_after_a_kill(tiny_export, tmp_path, monkeypatch):
+    path = _sweep_yaml(tmp_path, tiny_export)
+    cfg = load_config(SweepConfig, path, [])
+    real, calls = sweep_mod.step_once, {"n": 0}
+
+    def dying(stage):  # killed during the awm run's second step, after its first probe checkpoint
+        if "awm" in str(stage.st.run):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+        return real(stage)
+
+    monkeypatch.setattr(sweep_mod, "step_once", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(cfg, log=lambda m: None)
+    awm = tmp_path / "sweep/jpeg/awm/seed0"
+    assert (tmp_path / "sweep/jpeg/flow_grpo/seed0/done.json").exists() and not (awm / "done.json").exists()
+    before = read_rows(awm / "probes.jsonl")
+    monkeypatch.setattr(sweep_mod, "step_once", real)
+    lines = []
+    report = run_sweep(load_config(SweepConfig, path, []), log=lines.append)
+    assert not any("flow_grpo/seed0] " in m and "iteration" in m for m in lines)  # finished: not rerun
+    after = read_rows(awm / "probes.jsonl")
+    kept = [r for r in before if r["iteration"] <= after[len(before) - 1]["iteration"]]
+    assert after[:len(kept)] == kept and after[-1]["train_s"] >= 6.0  # the probes it had, then to the budget
+    assert [r["train_s"] for r in after] == sorted(r["train_s"] for r in after)
+    for run in ("flow_grpo", "awm"):
+        rows = read_rows(tmp_path / f"sweep/jpeg/{run}/seed0/probes.jsonl")
+        assert rows[0]["iteration"] == 0 and rows[0]["train_s"] == 0.0 and len(rows[0]["reward"]) == 4
+        assert rows[-1]["samples"] == rows[-1]["iteration"] * 8  # 2 prompts x group 4
+        done = json.loads((tmp_path / f"sweep/jpeg/{run}/seed0/done.json").read_text())
+        assert done["iterations"] == rows[-1]["iteration"]
+    # both arms start from the same export and probe the same prompts and seeds: identical first probes
+    first = [read_rows(tmp_path / f"sweep/jpeg/{r}/seed0/probes.jsonl")[0] for r in ("flow_grpo", "awm")]
+    assert first[0]["reward"] == first[1]["reward"] and first[0]["guard_loss"] == first[1]["guard_loss"]
+    text = report.read_text()
+    assert "| flow_grpo | 1 |" in text and "| awm | 1 |" in text and "![jpeg](jpeg.png)" in text
+    assert (tmp_path / "sweep/jpeg.png").stat().st_size > 10_000
+
+
+def test_sweep_config_errors_name_the_key(tiny_export, tmp_path):
+    path = _sweep_yaml(tmp_path, tiny_export)
+    with pytest.raises(ConfigError, match=r"baseline: 'dgpo' is not an arm"):
+        load_config(SweepConfig, path, ["baseline=dgpo"])
+    with pytest.raises(ConfigError, match=r"run_tasks: \['clip'\] not in \['jpeg'\]"):
+        load_config(SweepConfig, path, ["run_tasks=[clip]"])
+    cfg = load_config(SweepConfig, path, ["arms.awm.overrides=[grpo.loss.nope=1]"])
+    with pytest.raises(ConfigError, match=r"sweep arms\.awm \(task jpeg\): .*grpo\.loss\.nope"):
+        run_sweep(cfg, log=lambda m: None)
