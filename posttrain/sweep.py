@@ -79,8 +79,8 @@ class SweepConfig:
     arms: dict[str, ArmConfig] = field(default_factory=dict)
     tasks: dict[str, TaskConfig] = field(default_factory=dict)
     seeds: list[int] = field(default_factory=lambda: [0, 1])
-    budget_s: float = 180.0
-    eval_every_s: float = 45.0
+    budget_s: float = 150.0
+    eval_every_s: float = 50.0
     baseline: str = "flow_grpo"
     run_tasks: list[str] | None = None
     run_arms: list[str] | None = None

@@ -12,6 +12,7 @@ from pretrain.config import ConfigError, load_config
 from tests.conftest import ROOT
 
 TINY = str(ROOT / "configs/grpo/emoji_tiny.yaml")
+TINY_DPO = str(ROOT / "configs/dpo/emoji_tiny.yaml")
 
 
 def _sweep_yaml(tmp_path, export, budget=6.0):
@@ -22,6 +23,7 @@ arms:
   flow_grpo: {{command: grpo, config: {TINY}, overrides: [rollout.prompts_per_step=2]}}
   awm: {{command: grpo, config: {TINY}, overrides: [rollout.prompts_per_step=2, rollout.step=ode,
          "~grpo.loss.clip_range", "~grpo.loss.beta", "grpo.loss={{name: awm, timesteps_per_sample: 1}}"]}}
+  dpo: {{command: dpo, config: {TINY_DPO}, overrides: [online.prompts_per_round=2]}}
 tasks:
   jpeg: {{reward: jpeg_compressibility, guard_reward: jpeg_incompressibility, overrides: ["rewards={{jpeg_compressibility: 1.0}}"]}}
 seeds: [0]
@@ -66,6 +68,7 @@ def test_sweep_runs_every_arm_and_resumes_after_a_kill(tiny_export, tmp_path, mo
     lines = []
     report = run_sweep(load_config(SweepConfig, path, []), log=lines.append)
     assert not any("flow_grpo/seed0] " in m and "iteration" in m for m in lines)  # finished: not rerun
+    assert any("dpo/seed0] " in m and "iteration" in m for m in lines)
     after = read_rows(awm / "probes.jsonl")
     kept = [r for r in before if r["iteration"] <= after[len(before) - 1]["iteration"]]
     assert after[:len(kept)] == kept and after[-1]["train_s"] >= 6.0  # the probes it had, then to the budget
@@ -81,6 +84,8 @@ def test_sweep_runs_every_arm_and_resumes_after_a_kill(tiny_export, tmp_path, mo
     assert first[0]["reward"] == first[1]["reward"] and first[0]["guard_loss"] == first[1]["guard_loss"]
     text = report.read_text()
     assert "| flow_grpo | 1 |" in text and "| awm | 1 |" in text and "![jpeg](jpeg.png)" in text
+    dpo = read_rows(tmp_path / "sweep/jpeg/dpo/seed0/probes.jsonl")  # 8 samples drawn every 5 steps
+    assert dpo[-1]["train_s"] >= 6.0 and dpo[-1]["samples"] == 8 * ((dpo[-1]["iteration"] + 4) // 5)
     assert (tmp_path / "sweep/jpeg.png").stat().st_size > 10_000
 
 
