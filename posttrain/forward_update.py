@@ -134,6 +134,11 @@ class ForwardProcessUpdate:
     ``needs_groups``). Same call as :class:`posttrain.grpo_update.GRPOUpdate`."""
 
     def __init__(self, cfg, perf: PerfConfig | None, parts, policy):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("grpo.loss: the forward-process losses (nft, awm, dgpo) run in one process for now; "
+                             "launch without torchrun")
         self.cfg, self.perf, self.parts = cfg, perf or PerfConfig(merge_lora=False), parts
         loss = parts.loss
         decay = getattr(loss, "old_decay", None)
@@ -153,10 +158,7 @@ class ForwardProcessUpdate:
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
                  transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:
         """Inner epochs of mini-batches over ``traj`` (``transitions`` is unused: the loss draws its own
-        sigmas). ``advantages`` float32 ``[N]``, ``mask`` bool ``[N]``. Returns per-mini-batch stats.
-        ``ValueError`` under a data-parallel group (not supported yet)."""
-        if dp_group is not None:
-            raise ValueError("grpo.loss: forward-process losses run in one process for now (no torchrun)")
+        sigmas). ``advantages`` float32 ``[N]``, ``mask`` bool ``[N]``. Returns per-mini-batch stats."""
         loss_fn, draw, accum = self.parts.loss, self.parts.loss.draw, runtime.cfg.grad_accum
         x0_all = traj.latents[:, -1]
         out, pending = [], 0.0

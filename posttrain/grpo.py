@@ -1,7 +1,9 @@
 """`posttrain grpo`: Flow-GRPO (Liu et al. 2025, arXiv 2505.05470) on the shared runtime.
 
-One iteration: sample ``prompts_per_step`` prompts x ``group_size`` SDE rollouts with log-probs,
-score them, compute group advantages, then PPO-clip + beta * KL updates over the buffer.
+One iteration: sample ``prompts_per_step`` prompts x ``group_size`` rollouts, score them, compute
+advantages and the selection mask, then update with the loss part's update: PPO-clip + beta * KL
+over the recomputed log-probs of SDE rollouts (Flow-GRPO and its family, DDPO), or a forward-process
+loss on the clean samples of ODE rollouts (DiffusionNFT, AWM, DGPO: :mod:`posttrain.forward_update`).
 """
 
 from __future__ import annotations

@@ -53,6 +53,11 @@ def on_grid(rows: list[dict], key: str, grid: np.ndarray) -> np.ndarray:
     return out
 
 
+def short(entry: str) -> str:
+    """A reward entry without its model path (``learned_clip@runs/x/model`` -> ``learned_clip``)."""
+    return entry.partition("@")[0]
+
+
 def collect(cfg: SweepConfig, task: str) -> dict[str, list[list[dict]]]:
     """{arm: [rows of each seed that has probes]} for one task."""
     out = {}
@@ -70,8 +75,8 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
     base = data.get(cfg.baseline)
     target = float(np.mean([_mean(runs[-1]["reward"]) for runs in base])) if base else float("nan")
     base_time = mean_se([time_to(r, target) for r in base])[0] if base else float("nan")
-    head = (f"| arm | seeds | steps | samples | {t.reward} final (SE over seeds) | gain vs start (SE by prompt) | z "
-            f"| guard: flow-matching loss change | guard: {t.guard_reward} change (SE) | seconds to reach "
+    head = (f"| arm | seeds | steps | samples | {short(t.reward)} final (SE over seeds) | gain vs start (SE by prompt) "
+            f"| z | guard: flow-matching loss change | guard: {short(t.guard_reward)} change (SE) | seconds to reach "
             f"{cfg.baseline}'s final (SE) | reached | speed-up vs {cfg.baseline} |")
     lines = [head, "|" + "---|" * 12]
     for arm, runs in data.items():
@@ -108,8 +113,9 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
     t = cfg.tasks[task]
     grid = np.linspace(0.0, cfg.budget_s, int(math.ceil(cfg.budget_s / cfg.eval_every_s)) * 4 + 1)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    panels = ((axes[0, 0], "reward", f"held-out {t.reward}"), (axes[1, 0], "guard_loss", "guard: held-out flow-matching loss"),
-              (axes[1, 1], "guard_reward", f"guard: held-out {t.guard_reward}"))
+    panels = ((axes[0, 0], "reward", f"held-out {short(t.reward)}"),
+              (axes[1, 0], "guard_loss", "guard: held-out flow-matching loss"),
+              (axes[1, 1], "guard_reward", f"guard: held-out {short(t.guard_reward)}"))
     for arm, runs in data.items():
         for ax, key, _ in panels:
             ys = np.stack([on_grid(r, key, grid) for r in runs])
@@ -128,9 +134,10 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
         ax.set_xlabel("training seconds (rollout + reward + update)")
         ax.set_title(title)
     axes[0, 1].set_xlabel("samples drawn")
-    axes[0, 1].set_title(f"held-out {t.reward} against samples")
+    axes[0, 1].set_title(f"held-out {short(t.reward)} against samples")
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"sweep task '{task}': {len(cfg.seeds)} seed(s), {cfg.budget_s:.0f} s per run, "
+    seeds = max(len(runs) for runs in data.values())
+    fig.suptitle(f"sweep task '{task}': {seeds} seed(s), {cfg.budget_s:.0f} s per run, "
                  f"{cfg.probe.num_prompts} held-out prompts x {cfg.probe.samples_per_prompt}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -156,8 +163,10 @@ def write_report(cfg: SweepConfig) -> Path:
             continue
         rows, target = arm_table(cfg, task, data)
         png = plot_task(cfg, task, data, target, root / f"{task}.png")
-        lines += [f"## {task}", "", f"Target: {cfg.baseline}'s final held-out {cfg.tasks[task].reward}, "
-                  f"{target:+.4f}.", "", *rows, "", f"![{task}]({png.name})", ""]
+        t = cfg.tasks[task]
+        lines += [f"## {task}", "", f"Held-out reward `{t.reward}`, guard reward `{t.guard_reward}`. Target: "
+                  f"{cfg.baseline}'s final held-out {short(t.reward)}, {target:+.4f}.", "", *rows, "",
+                  f"![{task}]({png.name})", ""]
     path = root / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

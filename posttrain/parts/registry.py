@@ -19,6 +19,12 @@ Contracts (N samples of one iteration, every tensor float32 unless said otherwis
 - policy loss: ``part(new, old_log_prob [k], advantages [k], mask bool [k], ref) -> (loss scalar, stats)``
   over k rows of transitions, ``new``/``ref`` the recomputed steps (:class:`rollout.sde.SDEStep`) of
   the policy and of the reference model; ``ref`` is None unless the part's ``needs_reference`` is true.
+  A loss with ``update_class`` trains with that update instead of the per-transition one: the
+  forward-process losses (``nft``, ``awm``, ``dgpo``) take ``part(batch) -> (loss scalar, stats)`` with
+  ``batch`` a :class:`posttrain.forward_update.ForwardBatch`, set ``needs_log_probs = False`` (so
+  ``rollout.step: ode`` is allowed) and ``draw`` (their :class:`posttrain.forward_update.ForwardDraw`
+  options); ``old_decay`` keeps an EMA old copy, ``rollout_with_old`` samples with it,
+  ``needs_groups`` makes mini-batches of whole prompt groups.
 
 A part that keeps state across iterations (e.g. ``per_prompt``'s reward buffers) has ``state_dict()`` /
 ``load_state_dict(state)``; the run checkpoints it with everything else.

@@ -50,6 +50,14 @@ def test_every_shipped_config_loads():
         folder = {"bench": "grpo", "ddpo": "grpo"}.get(path.parent.name, path.parent.name)  # GRPO-stage configs
         if folder == "reward":  # `posttrain train-reward` configs
             schema = TrainRewardConfig
+        elif folder == "sweep":  # `posttrain sweep` configs: the file and every arm's config under every task
+            from posttrain.sweep import SweepConfig, arm_config
+
+            cfg = load_config(SweepConfig, path)
+            for task in cfg.tasks:
+                for arm in cfg.arms:
+                    arm_config(cfg, task, arm, cfg.seeds[0])
+            continue
         else:
             schema = PipelineConfig if folder == "configs" else get_stage(folder)[0]
         if "pretrained: ???" in path.read_text():  # real-model configs: the local folder is the one blank

@@ -84,7 +84,7 @@ def test_dgpo_by_hand():
     adv, groups = torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([0, 0, 1, 1])
     loss, stats = dgpo_loss(err, ref, adv, groups, beta=2.0)
     want = (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.1))) / 2
-    assert float(loss) == pytest.approx(want, abs=1e-6)
+    assert loss.item() == pytest.approx(want, abs=1e-6)
     loss.backward()
     # d/de_i = sigmoid(s_g) (beta / G) A_i / (number of groups)
     s0, s1 = 1 / (1 + math.exp(1.0)), 1 / (1 + math.exp(-0.1))

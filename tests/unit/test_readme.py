@@ -116,6 +116,14 @@ def check_posttrain(where: str, args: list[str]) -> None:
             if i > 0:
                 overrides.append(f"model.pretrained={Path(cfg.run_dir) / cfg.stages[i - 1].command / 'export'}")
             load_config(schema, stage.config, overrides)
+    elif parsed.command == "sweep":
+        from posttrain.sweep import SweepConfig, arm_config
+
+        cfg = load_config(SweepConfig, parsed.config, list(parsed.overrides))
+        tasks, arms = cfg.selected()
+        for task in tasks:  # as run_sweep loads every arm's config before training
+            for arm in arms:
+                arm_config(cfg, task, arm, cfg.seeds[0])
     elif parsed.command == "train-reward":
         from posttrain.train_reward import TrainRewardConfig
 
