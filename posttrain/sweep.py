@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.stages import get_run, get_stage
-from posttrain.sweep_probe import ProbeConfig, ProbeRewards, probe
+from posttrain.sweep_probe import ProbeConfig, ProbeRewards, probe, prompt_mean
 from pretrain.config import ConfigError, load_config, save_config
 from pretrain.export import require_export
 from pretrain.runtime.loop import step_once
@@ -168,8 +168,8 @@ def run_one(cfg: SweepConfig, task: str, arm: str, seed: int, rewards: ProbeRewa
         if stage.step:
             stage.save()
         log(f"[{task}/{arm}/seed{seed}] {elapsed:6.1f} s, iteration {stage.step}, {seen} samples: "
-            f"{rewards.reward} {_mean(row['reward']):+.4f}, guard loss {row['guard_loss']:.4f}, "
-            f"{rewards.guard} {_mean(row['guard_reward']):+.4f} (probe {time.perf_counter() - t0:.1f} s)")
+            f"{rewards.reward} {prompt_mean(row['reward']):+.4f}, guard loss {row['guard_loss']:.4f}, "
+            f"{rewards.guard} {prompt_mean(row['guard_reward']):+.4f} (probe {time.perf_counter() - t0:.1f} s)")
 
     if not rows:
         record(0.0, 0)
@@ -189,11 +189,6 @@ def run_one(cfg: SweepConfig, task: str, arm: str, seed: int, rewards: ProbeRewa
     tmp.write_text(json.dumps(summary))
     tmp.replace(done)
     return summary
-
-
-def _mean(values: list[float]) -> float:
-    finite = [v for v in values if v == v]
-    return sum(finite) / len(finite) if finite else float("nan")
 
 
 def prepare(cfg: SweepConfig, log=print) -> None:

@@ -10,6 +10,7 @@ probes of one task pair prompt by prompt.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,12 @@ class ProbeRewards:
             name, params = parse_eval_reward(entry)
             self.fns[entry] = build_reward(name, **params)
         return self
+
+
+def prompt_mean(values: list[float]) -> float:
+    """The mean of a probe's per-prompt values over the finite ones (NaN when none is)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
 
 
 @torch.no_grad()

@@ -12,12 +12,7 @@ import torch
 
 from posttrain.evaluate import paired_stats
 from posttrain.sweep import SweepConfig, read_rows, run_dir_of
-
-
-def _mean(values) -> float:
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    return float(v.mean()) if v.size else float("nan")
+from posttrain.sweep_probe import prompt_mean
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -33,7 +28,7 @@ def time_to(rows: list[dict], target: float) -> float | None:
     interpolated between the probes around the crossing; None if it never does."""
     prev = None
     for row in rows:
-        r, t = _mean(row["reward"]), row["train_s"]
+        r, t = prompt_mean(row["reward"]), row["train_s"]
         if r >= target:
             if prev is None or prev[1] >= target:
                 return t
@@ -47,7 +42,7 @@ def on_grid(rows: list[dict], key: str, grid: np.ndarray) -> np.ndarray:
     """A run's ``key`` (per-prompt lists are averaged) interpolated onto ``grid`` seconds; NaN past its
     last probe."""
     t = np.array([r["train_s"] for r in rows])
-    y = np.array([_mean(r[key]) if isinstance(r[key], list) else r[key] for r in rows], dtype=float)
+    y = np.array([prompt_mean(r[key]) if isinstance(r[key], list) else r[key] for r in rows], dtype=float)
     out = np.interp(grid, t, y)
     out[grid > t[-1] + 1e-9] = np.nan
     return out
@@ -73,14 +68,14 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
     """Markdown rows of one task and the target (the baseline's final reward, mean over seeds)."""
     t = cfg.tasks[task]
     base = data.get(cfg.baseline)
-    target = float(np.mean([_mean(runs[-1]["reward"]) for runs in base])) if base else float("nan")
+    target = float(np.mean([prompt_mean(runs[-1]["reward"]) for runs in base])) if base else float("nan")
     base_time = mean_se([time_to(r, target) for r in base])[0] if base else float("nan")
     head = (f"| arm | seeds | steps | samples | {short(t.reward)} final (SE over seeds) | gain vs start (SE by prompt) "
             f"| z | guard: flow-matching loss change | guard: {short(t.guard_reward)} change (SE) | seconds to reach "
             f"{cfg.baseline}'s final (SE) | reached | speed-up vs {cfg.baseline} |")
     lines = [head, "|" + "---|" * 12]
     for arm, runs in data.items():
-        final = mean_se([_mean(r[-1]["reward"]) for r in runs])
+        final = mean_se([prompt_mean(r[-1]["reward"]) for r in runs])
         start = torch.tensor([r[0]["reward"] for r in runs]).T  # [P, seeds]
         end = torch.tensor([r[-1]["reward"] for r in runs]).T
         gain, gain_se, _ = paired_stats(start, end)

@@ -59,43 +59,31 @@ class RolloutConfig:
         from rollout.steps import get_step
 
         step = get_step(self.step, f"{prefix}step")
-        if getattr(step, "deterministic", False):
-            return self._check_deterministic(prefix)
-        limit = getattr(step, "noise_level_max", None)
-        if limit is not None and self.noise_level > limit:
-            raise ValueError(f"{prefix}noise_level: step '{self.step}' takes at most {limit}, got {self.noise_level}")
         require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
         if self.group_size < 2:
             raise ValueError(f"{prefix}group_size: must be >= 2 (group advantages of one sample are 0)")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
+        get_ode_solver(self.ode_solver, f"{prefix}ode_solver")
+        if getattr(step, "deterministic", False):  # every transition is taken by ode_solver: nothing stochastic
+            if self.sde_window.size:
+                raise ValueError(f"{prefix}sde_window: step '{self.step}' is deterministic: no transition is "
+                                 f"stochastic (set sde_window.size 0, or use step sde / cps / ddim)")
+            return
+        limit = getattr(step, "noise_level_max", None)
+        if limit is not None and self.noise_level > limit:
+            raise ValueError(f"{prefix}noise_level: step '{self.step}' takes at most {limit}, got {self.noise_level}")
         if self.noise_level <= 0:
             raise ValueError(f"{prefix}noise_level: must be > 0 (0 is the deterministic ODE: no log-prob, "
                              f"nothing to train)")
         if not 0.0 < self.timestep_fraction <= 1.0:
             raise ValueError(f"{prefix}timestep_fraction: must be in (0, 1], got {self.timestep_fraction}")
-        if self.shift is not None and self.shift <= 0:
-            raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
         if self.timestep_selection not in ("first", "random"):
             raise ValueError(f"{prefix}timestep_selection: '{self.timestep_selection}' is not one of first, random")
         self.sde_window.check(self.num_inference_steps, f"{prefix}sde_window.")
-        get_ode_solver(self.ode_solver, f"{prefix}ode_solver")
         if not self.sde_window.size and self.ode_solver != "euler":
             raise ValueError(f"{prefix}ode_solver: '{self.ode_solver}' takes the transitions after an sde_window; "
                              f"without one (sde_window.size 0) every transition is stochastic")
         if self.sde_window.size and self.timestep_selection != "first":
             raise ValueError(f"{prefix}timestep_selection: with an sde_window the window's transitions are "
                              f"trained; '{self.timestep_selection}' does not apply")
-
-    def _check_deterministic(self, prefix: str) -> None:
-        """A deterministic step type: every transition is taken by ``ode_solver``; no window, nothing
-        stochastic (``noise_level`` is not used)."""
-        from rollout.ode_solver import get_ode_solver
-
-        require_positive(self, prefix, "num_inference_steps", "prompts_per_step", "batch_size")
-        if self.group_size < 2:
-            raise ValueError(f"{prefix}group_size: must be >= 2 (group advantages of one sample are 0)")
-        if self.shift is not None and self.shift <= 0:
-            raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
-        get_ode_solver(self.ode_solver, f"{prefix}ode_solver")
-        if self.sde_window.size:
-            raise ValueError(f"{prefix}sde_window: step '{self.step}' is deterministic: no transition is "
-                             f"stochastic (set sde_window.size 0, or use step sde / cps / ddim)")
