@@ -1,14 +1,21 @@
-"""Encoded image-text sets, their on-disk cache and a resumable batch sampler."""
+"""Encoded image-text sets, their on-disk cache and a resumable batch sampler.
+
+Caches are safetensors files (tensors, plus JSON metadata such as caption lists in the file's metadata),
+never pickles: a cache folder shared with others cannot run code when read.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from pretrain.data import emoji as emoji_data
 from pretrain.data import moving_emoji
@@ -18,6 +25,9 @@ from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 
 log = logging.getLogger(__name__)
+
+SOURCES = ("openmoji", "moving_emoji", "folder", "prompts")
+CACHE_FORMAT = "v2"  # in every cache file's name: v1 files were pickles (torch.save) and are never read
 
 
 @dataclass
@@ -40,6 +50,28 @@ class DataConfig:
     train_half: int | None = None
     frames: int = 8
     motions_per_emoji: int = 1
+
+    def validate(self, prefix: str = "") -> None:
+        """``ValueError`` naming ``<prefix>source`` (unknown), ``<prefix>path`` (missing for "folder" or
+        "prompts", or not there: a folder without captions.jsonl, a prompt file or a folder without
+        train.txt) or ``<prefix>train_half``."""
+        if self.source not in SOURCES:
+            raise ValueError(f"{prefix}source: unknown source '{self.source}' (known: {', '.join(SOURCES)})")
+        if self.source in ("folder", "prompts") and not self.path:
+            what = "a folder with captions.jsonl" if self.source == "folder" else \
+                "a .txt file or a folder with train.txt / test.txt"
+            raise ValueError(f"{prefix}path: required when {prefix}source is '{self.source}' ({what})")
+        path = Path(self.path) if self.path else None
+        if self.source == "folder" and not (path / "captions.jsonl").is_file():
+            state = "has no captions.jsonl" if path.is_dir() else "is not a folder"
+            raise ValueError(f"{prefix}path: '{self.path}' {state} (data.source 'folder' reads "
+                             f"<path>/captions.jsonl and its images)")
+        if self.source == "prompts" and not (path.is_file() or (path / "train.txt").is_file()):
+            state = "has no train.txt" if path.is_dir() else "does not exist"
+            raise ValueError(f"{prefix}path: '{self.path}' {state} (a .txt file of prompts or a folder "
+                             f"with train.txt / test.txt)")
+        if self.train_half not in (None, 0, 1):
+            raise ValueError(f"{prefix}train_half: must be 0, 1 or null, got {self.train_half}")
 
 
 @dataclass
@@ -67,9 +99,34 @@ def cache_dir(cfg: DataConfig) -> Path:
     return d
 
 
-def _atomic_save(obj, path: Path) -> None:
+def _cache_file(cfg: DataConfig, key: str) -> Path:
+    return cache_dir(cfg) / f"{key}.{CACHE_FORMAT}.safetensors"
+
+
+def _read_cache(path: Path, tensors: tuple[str, ...], meta: tuple[str, ...]) -> dict | None:
+    """The tensors ``tensors`` and the metadata lists ``meta`` stored in ``path`` by :func:`_write_cache`
+    as one dict, or None (to rebuild) when the file is absent or unreadable (a warning then names it).
+    A pickle left by an older version (same key, ``.pt``) is never read; a line says it is rebuilt."""
+    if not path.is_file():
+        old = path.with_name(path.name.removesuffix(f".{CACHE_FORMAT}.safetensors") + ".pt")
+        if old.is_file():
+            log.info("%s: old pickle cache, not loaded (a pickle can run code); rebuilding as %s", old, path.name)
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            out = {k: f.get_tensor(k) for k in tensors}
+            stored = json.loads((f.metadata() or {})["meta"])
+        out |= {k: list(stored[k]) for k in meta}
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as e:
+        log.warning("%s: unreadable cache (%s: %s); rebuilding it", path, type(e).__name__, e)
+        return None
+    return out
+
+
+def _write_cache(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, list]) -> None:
+    """Write ``tensors`` and the JSON-able ``meta`` to ``path`` (safetensors; atomically)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
     os.replace(tmp, path)
 
 
@@ -77,9 +134,10 @@ def load_openmoji(cfg: DataConfig) -> dict:
     """Rendered OpenMoji set (cached by package versions and resolution): dict with ``images`` uint8
     ``[N, 3, S, S]``, ``captions``, ``bases``, ``codepoints``, ``unnamed``. Raises ``DatasetError``
     if any rendered emoji is blank."""
-    path = cache_dir(cfg) / f"{emoji_data.emoji_cache_key(cfg.size)}.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=False)
+    path = _cache_file(cfg, emoji_data.emoji_cache_key(cfg.size))
+    cached = _read_cache(path, ("images",), ("captions", "bases", "codepoints", "unnamed"))
+    if cached is not None:
+        return cached
     records, unnamed = emoji_data.list_emoji()
     images = emoji_data.render_emoji([r.text for r in records], cfg.size)
     blank = emoji_data.blank_mask(images)
@@ -88,42 +146,47 @@ def load_openmoji(cfg: DataConfig) -> dict:
         raise DatasetError(f"openmoji: {len(names)} emoji rendered blank, first: {names[:5]}")
     log.info("openmoji: %d named emoji rendered at %d px; %d unnamed left out (first: %s)",
              len(records), cfg.size, len(unnamed), unnamed[:5])
-    out = dict(images=images, captions=[r.caption for r in records], bases=[r.base for r in records],
-               codepoints=[r.codepoints for r in records], unnamed=unnamed)
-    _atomic_save(out, path)
-    return out
+    meta = dict(captions=[r.caption for r in records], bases=[r.base for r in records],
+                codepoints=[r.codepoints for r in records], unnamed=unnamed)
+    _write_cache(path, {"images": images}, meta)
+    return dict(images=images, **meta)
 
 
 def load_moving_emoji(cfg: DataConfig) -> dict:
     """The moving-emoji video set (cached by package versions, resolution, frames and motions): dict
     with ``images`` uint8 ``[N, F, 3, S, S]``, ``captions`` and ``bases`` (the held-out split key)."""
     key = f"moving_{emoji_data.emoji_cache_key(cfg.size)}_f{cfg.frames}_m{cfg.motions_per_emoji}"
-    path = cache_dir(cfg) / f"{key}.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=False)
+    path = _cache_file(cfg, key)
+    cached = _read_cache(path, ("images",), ("captions", "bases"))
+    if cached is not None:
+        return cached
     records, _ = emoji_data.list_emoji()
     videos, captions, bases = moving_emoji.build_clips([r.text for r in records], [r.caption for r in records],
                                                        [r.base for r in records], cfg.frames, cfg.size,
                                                        cfg.motions_per_emoji)
-    out = dict(images=videos, captions=captions, bases=bases)
-    _atomic_save(out, path)
-    return out
+    _write_cache(path, {"images": videos}, dict(captions=captions, bases=bases))
+    return dict(images=videos, captions=captions, bases=bases)
 
 
 def encode_captions(encoder, captions: list[str], cfg: DataConfig) -> PromptEmbeds:
     """Caption embeddings, cached by encoder key and a hash of the caption list."""
     digest = hashlib.sha256("\n".join(captions).encode()).hexdigest()[:16]
-    path = cache_dir(cfg) / f"embeds_{encoder.cache_key}_{digest}.pt"
-    if path.is_file():
-        tokens, pooled = torch.load(path)
-        return PromptEmbeds(tokens.float(), pooled.float())
+    path = _cache_file(cfg, f"embeds_{encoder.cache_key}_{digest}")
+    cached = _read_cache(path, ("tokens", "pooled"), ())
+    if cached is not None:
+        return PromptEmbeds(cached["tokens"].float(), cached["pooled"].float())
     e = encoder.encode(captions)
-    _atomic_save((e.tokens, e.pooled), path)
+    _write_cache(path, {"tokens": e.tokens, "pooled": e.pooled}, {})
     return e
 
 
 def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
-    """Train and held-out ``EncodedSet``s for ``cfg``. Raises ``DatasetError`` if either is empty."""
+    """Train and held-out ``EncodedSet``s for ``cfg``. Raises ``DatasetError`` if either is empty or
+    ``cfg`` is invalid (see :meth:`DataConfig.validate`)."""
+    try:
+        cfg.validate("data.")
+    except ValueError as e:
+        raise DatasetError(str(e)) from e
     if cfg.source == "prompts":
         return prompt_sets(cfg, encoder)
     if cfg.source == "openmoji":
@@ -132,16 +195,10 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     elif cfg.source == "moving_emoji":
         raw = load_moving_emoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]
-    elif cfg.source == "folder":
-        if not cfg.path:
-            raise DatasetError("data.path: required when data.source is 'folder'")
+    else:  # folder
         images, captions, _ = load_image_folder(cfg.path, cfg.size)
         keys = captions
-    else:
-        raise DatasetError(f"data.source: unknown source '{cfg.source}' (known: openmoji, moving_emoji, folder, prompts)")
     held = [emoji_data.is_heldout(k, cfg.heldout_fraction) for k in keys]
-    if cfg.train_half not in (None, 0, 1):
-        raise DatasetError(f"data.train_half: must be 0, 1 or null, got {cfg.train_half}")
     split = {}
     for name, want in (("train", False), ("heldout", True)):
         idx = [i for i, h in enumerate(held) if h == want]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pretrain.config import require_positive
@@ -22,8 +23,8 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def validate(self, prefix: str = "") -> None:
-        if self.lr <= 0:
-            raise ValueError(f"{prefix}lr: must be > 0, got {self.lr}")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"{prefix}lr: must be a finite number > 0, got {self.lr}")
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"{prefix}schedule: '{self.schedule}' is not one of constant, cosine")
         if self.warmup_steps < 0:

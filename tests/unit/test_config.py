@@ -38,16 +38,24 @@ def test_bad_override_names_the_key(capsys):
     assert code == 2 and "optim.learning_rate" in err and "command line" in err
 
 
-def test_every_shipped_config_loads():
+def test_every_shipped_config_loads(tmp_path):
     from posttrain.pipeline import PipelineConfig
     from posttrain.stages import get_stage
     from posttrain.train_reward import TrainRewardConfig
     from pretrain.config import load_config
 
+    bench_data = tmp_path / "data"  # what the benchmark writes before loading its config
+    bench_data.mkdir()
+    (bench_data / "captions.jsonl").write_text("")
     paths = sorted((ROOT / "configs").rglob("*.yaml"))
     assert len(paths) >= 6
     for path in paths:
-        folder = {"bench": "grpo", "ddpo": "grpo"}.get(path.parent.name, path.parent.name)  # GRPO-stage configs
+        if path.parent.name == "bench":  # its data folder is built by the benchmark
+            with pytest.raises(ConfigError, match="data.path"):
+                load_config(get_stage("grpo")[0], path, ["data.path=/nonexistent/data"])
+            load_config(get_stage("grpo")[0], path, [f"data.path={bench_data}"])
+            continue
+        folder = {"ddpo": "grpo"}.get(path.parent.name, path.parent.name)  # GRPO-stage configs
         if folder == "reward":  # `posttrain train-reward` configs
             schema = TrainRewardConfig
         elif folder == "sweep":  # `posttrain sweep` configs: the file and every arm's config under every task
@@ -90,6 +98,77 @@ def test_grpo_config_errors_exit_2_before_any_work(capsys, override, key):
     code, err = run_cli(capsys, "grpo", GRPO_TINY, override)
     assert code == 2, err
     assert key in err and "emoji_tiny.yaml" in err
+
+
+def _schema_and_config(command):
+    from posttrain.dpo import DPOConfig
+    from posttrain.grpo import GRPOConfig
+    from pretrain.trainer import PretrainConfig
+
+    return {"pretrain": (PretrainConfig, TINY, []),
+            "grpo": (GRPOConfig, GRPO_TINY, ["model.pretrained=/x"]),
+            "dpo": (DPOConfig, str(ROOT / "configs/dpo/emoji_tiny.yaml"), ["model.pretrained=/x"])}[command]
+
+
+@pytest.mark.parametrize("command", ["pretrain", "grpo", "dpo"])
+@pytest.mark.parametrize("override,key,says", [
+    ("data.source=foo", "data.source", "unknown source 'foo' (known: openmoji, moving_emoji, folder, prompts)"),
+    ("data.source=folder", "data.path", "required when data.source is 'folder'"),
+    ("data.source=prompts", "data.path", "required when data.source is 'prompts'"),
+    ("data.train_half=2", "data.train_half", "must be 0, 1 or null"),
+    ("optim.lr=nan", "optim.lr", "must be a finite number > 0, got nan"),
+    ("optim.lr=inf", "optim.lr", "must be a finite number > 0, got inf"),
+    ("optim.lr=0", "optim.lr", "must be a finite number > 0, got 0.0"),
+    ("optim.lr=-1", "optim.lr", "must be a finite number > 0, got -1.0"),
+])
+def test_data_and_lr_errors_are_config_errors(command, override, key, says):
+    from pretrain.config import load_config
+
+    schema, path, extra = _schema_and_config(command)
+    with pytest.raises(ConfigError) as e:
+        load_config(schema, path, [*extra, override])
+    assert f"{key}: {says}" in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["pretrain", "grpo", "dpo"])
+def test_data_path_must_exist_at_config_load(command, tmp_path):
+    from pretrain.config import load_config
+
+    schema, path, extra = _schema_and_config(command)
+    (tmp_path / "prompts.txt").write_text("a cat\n")
+    (tmp_path / "images").mkdir()
+    for data, says in ([f"data.path={tmp_path}/nowhere", "is not a folder"],
+                       [f"data.path={tmp_path}/images", "has no captions.jsonl"],
+                       [f"data.path={tmp_path}/prompts.txt", "is not a folder"]):
+        with pytest.raises(ConfigError, match=f"data.path: '{data.split('=')[1]}' {says}"):
+            load_config(schema, path, [*extra, "data.source=folder", data])
+    with pytest.raises(ConfigError, match=f"data.path: '{tmp_path}/images' has no train.txt"):
+        load_config(schema, path, [*extra, "data.source=prompts", f"data.path={tmp_path}/images"])
+    with pytest.raises(ConfigError, match=f"data.path: '{tmp_path}/nowhere.txt' does not exist"):
+        load_config(schema, path, [*extra, "data.source=prompts", f"data.path={tmp_path}/nowhere.txt"])
+    (tmp_path / "images" / "captions.jsonl").write_text("")
+    assert load_config(schema, path, [*extra, "data.source=folder", f"data.path={tmp_path}/images"]).data.path
+    assert load_config(schema, path, [*extra, "data.source=prompts", f"data.path={tmp_path}/prompts.txt"]).data.path
+
+
+def test_unknown_data_source_exits_2_before_any_loading(tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "posttrain", "grpo", GRPO_TINY, "data.source=foo",
+                           f"model.pretrained={tmp_path}/no_export", f"run_dir={tmp_path}/run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "data.source: unknown source 'foo'" in proc.stderr
+    assert time.perf_counter() - t0 < 60  # the config's own checks, no model or text encoder
+    assert not (tmp_path / "run").exists()
+    code, err = run_cli(capsys, "pretrain", TINY, "data.source=folder", f"run_dir={tmp_path}/pre")
+    assert code == 2 and "data.path: required" in err
+    assert not (tmp_path / "pre").exists()
 
 
 def test_missing_export_folder_exits_2(tmp_path, capsys):

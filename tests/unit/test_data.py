@@ -98,6 +98,75 @@ def test_empty_folder_dataset_is_an_error(tmp_path):
         load_image_folder(tmp_path / "nowhere", 8)
 
 
+def test_image_folder_skips_undecodable_lines_and_names_them(tmp_path, caplog):
+    _write_png(tmp_path / "a.png", "red")
+    _write_png(tmp_path / "b.png", "blue")
+    (tmp_path / "captions.jsonl").write_bytes(b'{"file": "a.png", "caption": "a red square"}\n'
+                                              b'{"file": "b.png", "caption": "caf\xe9 au lait"}\n'  # Latin-1
+                                              b'{"file": "b.png", "caption": "a blue square \xe2\x80\xa8 too"}\n')
+    images, captions, skipped = load_image_folder(tmp_path, 8)
+    assert captions == ["a red square", "a blue square \u2028 too"]  # U+2028 inside a caption is no line break
+    assert images.shape == (2, 3, 8, 8)
+    assert skipped == {"undecodable line": ["captions.jsonl:2"]}
+    assert "1 undecodable line (first: captions.jsonl:2)" in caplog.text
+
+
+def test_image_folder_refuses_files_outside_it(tmp_path, caplog):
+    root = tmp_path / "data"
+    root.mkdir()
+    _write_png(root / "a.png", "red")
+    _write_png(tmp_path / "x.png", "blue")  # a real image next to the folder
+    (root / "link.png").symlink_to(tmp_path / "x.png")
+    (root / "sub").mkdir()
+    rows = [{"file": "/etc/hostname", "caption": "absolute"}, {"file": "../x.png", "caption": "up"},
+            {"file": "link.png", "caption": "a link out"}, {"file": "sub/../a.png", "caption": "a red square"},
+            {"file": str(root / "a.png"), "caption": "absolute, even inside"}]
+    (root / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    images, captions, skipped = load_image_folder(root, 8)
+    assert captions == ["a red square"] and images.shape == (1, 3, 8, 8)
+    assert skipped == {"path outside the folder": ["captions.jsonl:1", "captions.jsonl:2", "captions.jsonl:3",
+                                                   "captions.jsonl:5"]}
+    assert "4 path outside the folder (first: captions.jsonl:1, captions.jsonl:2" in caplog.text
+
+
+class _Plant:
+    """Unpickling this creates ``marker``: what a hostile cache file could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_pickled_caches_are_never_loaded(tmp_path, monkeypatch, caplog):
+    import pickle
+
+    records, unnamed = E.list_emoji()
+    monkeypatch.setattr(E, "list_emoji", lambda: (records[:12], unnamed))
+    cfg = DataConfig(size=8, cache_dir=str(tmp_path))
+    key = E.emoji_cache_key(8)
+    marker = tmp_path / "pwned"
+    torch.save({"images": torch.zeros(1), "evil": _Plant(marker)}, tmp_path / f"{key}.pt")  # an old cache
+    caplog.set_level("INFO")
+    raw = load_openmoji(cfg)
+    assert not marker.exists()
+    assert f"{key}.pt: old pickle cache, not loaded" in caplog.text
+    assert raw["images"].shape == (12, 3, 8, 8) and raw["captions"] == [r.caption for r in records[:12]]
+    assert raw["unnamed"] == unnamed
+
+    new = tmp_path / f"{key}.v2.safetensors"  # a pickle under the new name: unreadable, rebuilt
+    new.write_bytes(pickle.dumps(_Plant(marker)))
+    again = load_openmoji(cfg)
+    assert not marker.exists() and "unreadable cache" in caplog.text
+    assert torch.equal(again["images"], raw["images"]) and again["bases"] == raw["bases"]
+    monkeypatch.setattr(E, "list_emoji", lambda: pytest.fail("rendered again instead of read from the cache"))
+    cached = load_openmoji(cfg)
+    assert torch.equal(cached["images"], raw["images"])
+    assert {k: cached[k] for k in ("captions", "bases", "codepoints", "unnamed")} == \
+        {k: raw[k] for k in ("captions", "bases", "codepoints", "unnamed")}
+
+
 def test_epoch_sampler_resumes_exactly():
     a = EpochSampler(10, seed=3)
     first = [a.next(4) for _ in range(3)]  # crosses an epoch boundary
