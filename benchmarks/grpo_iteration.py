@@ -98,10 +98,12 @@ def main() -> None:
                          "speed then falls on every variant alike); medians over all passes")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every variant")
     a = ap.parse_args()
+    # the config's data folder is built here, so read it before the config's data block is validated
+    pre = load_config(GRPOConfig, CONFIG, [*a.overrides, "data.source=openmoji"])
+    build_assets(pre.model, pre.model.pretrained, pre.data.path)
     base = load_config(GRPOConfig, CONFIG, a.overrides)
     torch.set_num_threads(base.train.threads or torch.get_num_threads())
     device = torch.device("cuda" if base.train.device.startswith("cuda") else "cpu")
-    build_assets(base.model, base.model.pretrained, base.data.path)
     ref_rate = matmul_gflops(2048, 2048, 2048, device, 2.0)
     shape_rate = model_shape_gflops(device)
     attn_rates = attention_gflops(device)

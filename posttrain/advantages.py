@@ -1,8 +1,11 @@
 """Group-relative advantages (GRPO: Shao et al. 2024, arXiv 2402.03300, eq. 3; Flow-GRPO eq. 4).
 
 Per prompt group: A = (r - mean) / (std + 1e-4) with the population std (ddof = 0), clipped to
-+/- ``adv_clip_max``. NaN-aware: a NaN reward is excluded from its group's statistics and gets
-advantage 0 (its sample is masked out of the loss); a group with zero spread gets 0, never NaN.
++/- ``adv_clip_max``. NaN-aware: a non-finite reward (NaN or +/-inf: "not applicable") is excluded
+from its group's statistics and gets advantage 0 (its sample is masked out of the loss); a group with
+zero spread gets 0, never NaN. Zero spread is judged relative to the rewards' scale
+(:func:`has_spread`), so eight float32 rewards equal up to rounding are a zero-spread group, not a
+group whose float residues become +/-3e-4 advantages.
 """
 
 from __future__ import annotations
@@ -10,6 +13,16 @@ from __future__ import annotations
 import torch
 
 EPS = 1e-4
+SPREAD_RTOL = 1e-5  # ~100 float32 ulps: a std below this fraction of the rewards' magnitude is rounding
+
+
+def has_spread(values: torch.Tensor, rtol: float = SPREAD_RTOL) -> bool:
+    """Whether finite ``values`` (float ``[n]``) differ by more than float rounding: population std >
+    ``rtol * max|values|`` (and > 0). Fewer than two values have no spread."""
+    if values.numel() < 2:
+        return False
+    std = float(values.double().std(unbiased=False))
+    return std > 0.0 and std > rtol * float(values.abs().max())
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, adv_clip_max: float = 5.0
@@ -17,7 +30,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, adv_clip_ma
     """Args: ``rewards`` float ``[B]`` (NaN allowed), ``group_ids`` long ``[B]`` (same id = same prompt).
 
     Returns (advantages float32 ``[B]``, valid bool ``[B]`` = reward is finite, zero_spread bool
-    ``[B]`` = the sample's group has fewer than two distinct finite rewards)."""
+    ``[B]`` = the sample's group has no two finite rewards that differ by more than rounding:
+    :func:`has_spread`)."""
     r = rewards.float()
     valid = torch.isfinite(r)
     adv = torch.zeros_like(r)
@@ -29,11 +43,10 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, adv_clip_ma
         if vals.numel() == 0:
             zero_spread |= members
             continue
-        std = vals.std(unbiased=False) if vals.numel() > 1 else vals.new_zeros(())
-        if float(std) == 0.0:
+        if not has_spread(vals):
             zero_spread |= members
             continue
-        adv[m] = (vals - vals.mean()) / (std + EPS)
+        adv[m] = (vals - vals.mean()) / (vals.std(unbiased=False) + EPS)
     return adv.clamp(-adv_clip_max, adv_clip_max), valid, zero_spread
 
 

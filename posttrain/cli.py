@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from pretrain.config import ConfigError
     from pretrain.data.folder import DatasetError
-    from pretrain.runtime.guard import NonFiniteError
+    from pretrain.runtime.checkpoint import CheckpointError
+    from pretrain.runtime.guard import RunStopped
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (DatasetError, FileNotFoundError, NonFiniteError, ValueError) as e:
+    except (CheckpointError, DatasetError, FileNotFoundError, RunStopped, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

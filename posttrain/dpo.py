@@ -316,7 +316,7 @@ class DPORun:
             return self.heldout_acc(), []
         return {}, []
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         return self.rt.save()
 
     def finish(self) -> Path:

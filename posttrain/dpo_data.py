@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from posttrain.signal_guard import NoSignalError, nonfinite_counts
 from pretrain.data.folder import DatasetError
 from pretrain.sampling import initial_noise, sample_latents
 from pretrain.text_encoder import PromptEmbeds
@@ -131,7 +132,8 @@ def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward
     global index)), score them with ``reward_fn(images, prompts) -> (total, raw)`` and pair each prompt's
     best against its worst when their gap exceeds ``online.margin`` (``online``: the ``online:`` block,
     :class:`posttrain.dpo.OnlineConfig`). Returns the pairs (None if none qualify) and stats (reward
-    mean/std, pairs kept)."""
+    mean/std, pairs kept). Raises :class:`posttrain.signal_guard.NoSignalError` when no sample has a
+    finite reward."""
     k, margin = online.samples_per_prompt, online.margin
     n = len(prompt_idx) * k
     noise = initial_noise(n, codec.latent_shape(*prompts.images.shape[-2:]), seed, step=round_, stream="rollout", device=device)
@@ -144,12 +146,18 @@ def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward
         images.append(codec.decode(lat).cpu())
     images = torch.cat(images)
     _, _, captions = prompts.batch(rows)
-    total, _ = reward_fn(images, captions)
+    total, raw = reward_fn(images, captions)
+    finite = torch.isfinite(total)
+    if not bool(finite.any()):
+        raise NoSignalError(f"online round {round_}: no sample has a finite reward ("
+                            + ", ".join(f"{k}: {c} of {n} non-finite" for k, c in nonfinite_counts(raw).items())
+                            + "); stopping. The last complete checkpoint is intact.")
+    total = torch.where(finite, total, torch.full_like(total, float("nan")))  # inf is "not applicable" too
     r = total.view(len(prompt_idx), k)
     best, worst = r.nan_to_num(-float("inf")).argmax(1), r.nan_to_num(float("inf")).argmin(1)
     gap = r.gather(1, best[:, None]).squeeze(1) - r.gather(1, worst[:, None]).squeeze(1)
     keep = (gap > margin).nonzero().flatten().tolist()
-    stats = {"online_reward_mean": float(total.nanmean()), "online_pairs": len(keep),
+    stats = {"online_reward_mean": float(total[finite].mean()), "online_pairs": len(keep),
              "online_gap_mean": float(gap[torch.isfinite(gap)].mean()) if torch.isfinite(gap).any() else float("nan")}
     if not keep:
         return None, stats

@@ -20,6 +20,7 @@ from posttrain.grpo_update import GRPOAlgorithmConfig
 from pretrain.runtime.loop import run_stage
 from posttrain.perf import compile_blocks, merge_lora_blocker, records_uncond, resolve_perf
 from posttrain.stage import PolicyStage
+from posttrain.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.stage_config import StageConfig
 from pretrain.data.dataset import EpochSampler
 from pretrain.models import count_parameters
@@ -109,7 +110,11 @@ def summarize(stats: list[dict]) -> dict:
 
 
 def reward_stats(total: torch.Tensor, raw: dict[str, torch.Tensor]) -> dict:
-    out = {"reward_mean": float(total.nanmean())}
+    """Means over the finite rewards only (NaN / inf are "not applicable"), each reward's std and its
+    count of non-finite values (``reward/<name>_nonfinite``)."""
+    finite = total[torch.isfinite(total)]
+    out = {"reward_mean": float(finite.mean()) if finite.numel() else float("nan")}
+    out.update({f"reward/{name}_nonfinite": c for name, c in nonfinite_counts(raw).items()})
     for name, r in raw.items():
         finite = r[torch.isfinite(r)]
         out[f"reward/{name}_mean"] = float(finite.mean()) if finite.numel() else float("nan")
@@ -139,6 +144,7 @@ class GRPORun:
         self.prompts = EpochSampler(len(st.train_set), self.seed)
         self.rewards = CompositeReward(cfg.rewards)
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
+        self.signal = SignalGuard(cfg.train.max_no_signal)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
@@ -149,8 +155,8 @@ class GRPORun:
                  "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,
                  "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape()}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, **self.parts.stateful(),
-                                                                                **self.update.stateful()},
+                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, "signal": self.signal,
+                                                                    **self.parts.stateful(), **self.update.stateful()},
                                total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)
         resumed = rt.start(cfg.checkpoint.resume)
         self.step = rt.step // self.opt_per_iter
@@ -194,6 +200,8 @@ class GRPORun:
         total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
         adv, valid, zero = parts.advantage(total, raw, self.rewards.weights, group_ids,
                                            torch.as_tensor(picked, dtype=torch.long)[group_ids])
+        for line in self.signal.check(it + 1, total, raw, zero):  # stops before the update, if it must
+            self.logger.write(line)
         mask = parts.selection(total, adv, valid, zero, group_ids)
         adv, mask = self.ranks.local(adv, ro.group_size), self.ranks.local(mask, ro.group_size)
         t2 = time.perf_counter()
@@ -203,8 +211,6 @@ class GRPORun:
                             dp_group=self.ranks.mesh.dp_group if self.ranks.distributed else None)
         t3 = time.perf_counter()
         self.step = it = it + 1
-        if bool(zero.all()):
-            self.logger.write(f"iteration {it}: every group has zero reward spread: no learning signal")
         return {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
                 "samples": self.n, "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
                 "time_rollout_s": t1 - t0 - codec.seconds, "time_decode_s": codec.seconds,
@@ -220,8 +226,9 @@ class GRPORun:
     def grid(self, model: torch.nn.Module, step: int) -> Path:
         return self.ranks.grid(self.st, model, self.cfg.eval, self.seed, self.shift, f"heldout_iter_{step:05d}.png")
 
-    def save(self) -> Path:
-        """Checkpoint named by the iteration (``step_<iteration>``)."""
+    def save(self) -> Path | None:
+        """Checkpoint named by the iteration (``step_<iteration>``); None when the weights are not fit to
+        save (:meth:`pretrain.runtime.runtime.Runtime.save`)."""
         return self.rt.save(self.step)
 
     def finish(self) -> Path:

@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from posttrain.policy import Policy
 from pretrain.codec import CodecConfig
-from pretrain.config import save_config
 from pretrain.data.dataset import EncodedSet, build_datasets
 from pretrain.evaluation import write_grid
 from pretrain.models.pipelines import export_pipeline, save_pipeline_lora
 from pretrain.export import export_model, load_exported, require_export
 from pretrain.parallel.job import JobRanks
+from pretrain.runtime.config_record import record_config
 from pretrain.runtime.runtime import resolve_device
 from pretrain.seeding import seed_for
 from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
@@ -50,7 +50,7 @@ class PolicyStage:
         run = Path(cfg.run_dir) / name
         run.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized() or dist.get_rank() == 0:  # one writer under torchrun
-            save_config(cfg, run / "config.yaml")
+            record_config(cfg, run, cfg.checkpoint.resume)
         model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device),
                                                     options=cfg.model.options)
         train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)

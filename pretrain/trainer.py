@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from pretrain.codec import CodecConfig, build_codec
-from pretrain.config import ConfigError, save_config
+from pretrain.config import ConfigError
 from pretrain.data.dataset import EpochSampler, build_datasets
 from pretrain.export import export_model
 from pretrain.models import arch_of, build_backbone, count_parameters
@@ -22,6 +22,7 @@ from pretrain.runtime.config import RuntimeConfig
 from pretrain.runtime.loop import run_stage
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.profiling import StepProfiler
+from pretrain.runtime.config_record import record_config
 from pretrain.runtime.runtime import Runtime, resolve_device
 from pretrain.seeding import seed_for
 from pretrain.evaluation import heldout_loss, write_grid
@@ -144,7 +145,7 @@ class PretrainRun:
         self.run = run = Path(cfg.run_dir) / "pretrain"
         run.mkdir(parents=True, exist_ok=True)
         if ranks.is_main:
-            save_config(cfg, run / "config.yaml")
+            record_config(cfg, run, cfg.checkpoint.resume)
         encoder = text_encoder_from_config(cfg.text_encoder)
         self.train_set, self.held = build_datasets(cfg.data, encoder)
         self.null = encoder.encode([""]).to(device)
@@ -206,7 +207,7 @@ class PretrainRun:
             media.append(grid)
         return out, media
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         return self.rt.save()
 
     def finish(self) -> Path:

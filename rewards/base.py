@@ -161,13 +161,13 @@ def check_reward_weights(weights: Mapping[str, Any], key: str = "rewards") -> No
 
 
 def weighted_sum(per_reward: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """Combine ``{name: Tensor[B]}`` with ``weights``: NaN components are skipped and the remaining
-    weights renormalised (by the sum of their absolute values over the sum of all absolute weights);
-    all-NaN samples stay NaN. float32 ``[B]``."""
+    """Combine ``{name: Tensor[B]}`` with ``weights``: non-finite components (NaN, +/-inf: "not
+    applicable") are skipped and the remaining weights renormalised (by the sum of their absolute values
+    over the sum of all absolute weights); samples with no finite component are NaN. float32 ``[B]``."""
     names = list(per_reward)
     values = torch.stack([per_reward[n].float() for n in names])  # [R, B]
     w = torch.tensor([float(weights[n]) for n in names]).unsqueeze(1)
-    present = ~torch.isnan(values)
+    present = torch.isfinite(values)
     num = torch.where(present, values * w, torch.zeros_like(values)).sum(0)
     total = w.abs().sum()
     cover = torch.where(present, w.abs(), torch.zeros_like(values)).sum(0)

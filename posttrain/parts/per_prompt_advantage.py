@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.advantages import has_spread
 from posttrain.parts.registry import ADVANTAGES
 
 EPS = 1e-6
@@ -50,7 +51,8 @@ class PerPromptAdvantage:
     def __call__(self, total: torch.Tensor, raw: dict, weights: dict, group_ids: torch.Tensor,
                  prompt_ids: torch.Tensor):
         """``total`` float ``[N]`` (NaN allowed), ``prompt_ids`` long ``[N]``: (advantages float32 ``[N]``,
-        valid bool ``[N]``, zero_spread bool ``[N]`` = the statistics used have zero std)."""
+        valid bool ``[N]``, zero_spread bool ``[N]`` = the statistics used have no spread beyond rounding:
+        :func:`posttrain.advantages.has_spread`)."""
         r = total.float()
         valid = torch.isfinite(r)
         adv, zero = torch.zeros_like(r), ~valid
@@ -60,11 +62,10 @@ class PerPromptAdvantage:
             buf = (self.buffers.get(p, []) + r[m].tolist())[-self.cfg.buffer_size:]
             self.buffers[p] = buf
             ref = torch.tensor(buf) if len(buf) >= self.cfg.min_count else batch
-            std = ref.std(unbiased=False) if ref.numel() > 1 else ref.new_zeros(())
-            if float(std) == 0.0:
+            if not has_spread(ref):
                 zero |= m
                 continue
-            adv[m] = (r[m] - ref.mean()) / (std + EPS)
+            adv[m] = (r[m] - ref.mean()) / (ref.std(unbiased=False) + EPS)
         return adv.clamp(-self.cfg.clip_max, self.cfg.clip_max), valid, zero
 
     def state_dict(self) -> dict:

@@ -1,13 +1,16 @@
 """Atomic training-state checkpoints with torch.distributed.checkpoint (DCP), single process included.
 
 Layout: ``<run>/checkpoints/step_<N>/`` (a DCP folder, N the stage's step: see each stage's docs, plus
-``shape.json``, the run settings a resume must keep). A checkpoint is written to
-``.tmp_step_<N>/`` and renamed only once complete, so a crash mid-write never leaves a
-``step_<N>`` folder that does not load; ``latest()`` ignores temp folders.
+``shape.json``, the run settings a resume must keep, and ``manifest.json``, the size and SHA-256 of
+every file). A checkpoint is written to ``.tmp_step_<N>/``, its manifest computed from the written
+files, and renamed only once complete, so a crash mid-write never leaves a ``step_<N>`` folder that
+does not load; ``latest()`` ignores temp folders. ``verify()`` re-hashes a checkpoint against its
+manifest (bit rot, a truncated copy, a hand-edited shard), spreading the files over the ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -22,6 +25,32 @@ import torch.distributed.checkpoint as dcp
 
 _STEP = re.compile(r"^step_(\d+)$")
 SHAPE = "shape.json"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint to resume from: the message names each checkpoint tried and why it failed."""
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    """SHA-256 hex digest of the file at ``path`` (read in 4 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _hash_shared(folder: Path, names: list[str]) -> dict[str, dict]:
+    """``{name: {"bytes", "sha256"}}`` of ``names`` in ``folder``, each rank hashing every world-th file
+    and all ranks receiving the union (collective under a process group)."""
+    rank, world = _world()
+    mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": file_digest(folder / n)} for n in names[rank::world]}
+    if world == 1:
+        return mine
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def rng_state() -> dict:
@@ -94,7 +123,9 @@ class CheckpointManager:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, checkpoint_id=str(tmp))
+        files = _hash_shared(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST))
         if _is_rank0():
+            _write_synced(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1, sort_keys=True))
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -107,6 +138,31 @@ class CheckpointManager:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank looks for the checkpoint before rank 0 has renamed it
         return final
+
+    @staticmethod
+    def verify(path: str | Path) -> str | None:
+        """Check the checkpoint at ``path`` against its ``manifest.json``: None when every listed file has
+        its recorded size and SHA-256, else the first problem (a file missing, short, or with another
+        digest) as a phrase naming the file. A checkpoint without a manifest (written before manifests
+        existed) passes. Collective under a process group (every rank gets the same answer)."""
+        path = Path(path)
+        listed = path / MANIFEST
+        if not listed.is_file():
+            return None
+        try:
+            want = json.loads(listed.read_text())["files"]
+        except (ValueError, KeyError, TypeError) as e:
+            return f"{MANIFEST} is unreadable ({type(e).__name__})"
+        missing = [n for n in sorted(want) if not (path / n).is_file()]
+        if missing:
+            return f"{missing[0]} is missing"
+        short = [n for n in sorted(want) if (path / n).stat().st_size != want[n]["bytes"]]
+        if short:
+            n = short[0]
+            return f"{n} has {(path / n).stat().st_size} bytes, the manifest says {want[n]['bytes']}"
+        got = _hash_shared(path, sorted(want))
+        bad = [n for n in sorted(want) if got[n]["sha256"] != want[n]["sha256"]]
+        return f"{bad[0]} does not match its SHA-256 in {MANIFEST}" if bad else None
 
     @staticmethod
     def check_shape(path: str | Path, shape: dict) -> None:
@@ -130,6 +186,10 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path))
 
+    def candidates(self) -> list[Path]:
+        """Complete checkpoints, newest first (what a resume tries, in order)."""
+        return [self.root / f"step_{s}" for s in reversed(self.steps())]
+
     def _prune(self) -> None:
         if self.keep_last <= 0:
             return
@@ -137,3 +197,10 @@ class CheckpointManager:
             shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
         for stale in self.root.glob(".tmp_step_*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

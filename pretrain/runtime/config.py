@@ -37,6 +37,8 @@ class RuntimeConfig:
     per optimizer step. ``precision``: "fp32" | "bf16" (autocast) | "fp16" (autocast + grad scaler).
     ``ema_decay``: 0 disables EMA; otherwise EMA weights are used for sampling and export.
     ``max_nonfinite``: consecutive non-finite steps tolerated before the run stops.
+    ``max_no_signal`` (stages trained on rewards): iterations in a row in which every prompt group has
+    zero reward spread before the run stops (0 = never; :mod:`posttrain.signal_guard`).
     ``device``: "auto" (cuda if available), "cpu" or "cuda[:i]"; ``threads``: torch CPU threads."""
 
     steps: int = 100
@@ -46,11 +48,14 @@ class RuntimeConfig:
     precision: str = "fp32"
     ema_decay: float = 0.0
     max_nonfinite: int = 3
+    max_no_signal: int = 10
     device: str = "auto"
     threads: int | None = None
 
     def validate(self, prefix: str = "") -> None:
         require_positive(self, prefix, "steps", "batch_size", "grad_accum")
+        if self.max_no_signal < 0:
+            raise ValueError(f"{prefix}max_no_signal: must be >= 0 (0 = never stop), got {self.max_no_signal}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16")
         if not 0.0 <= self.ema_decay < 1.0:

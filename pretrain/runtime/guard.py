@@ -5,7 +5,12 @@ from __future__ import annotations
 import math
 
 
-class NonFiniteError(RuntimeError):
+class RunStopped(RuntimeError):
+    """A guard stopped the run on purpose (the CLI prints its one-line reason and exits 1); the last
+    complete checkpoint is intact and ``--resume`` continues from it once the cause is fixed."""
+
+
+class NonFiniteError(RunStopped):
     """Raised after more than ``max_consecutive`` non-finite steps in a row."""
 
 

@@ -6,12 +6,16 @@ export, policy, runtime, resume) and offers ``cfg`` (with ``train.steps`` and ``
 ``step`` (stage steps done), ``logger``, ``profiler``, ``train_step() -> metrics`` (one step; advances
 ``step``), ``evaluate(step, last) -> (metrics, media)`` (held-out numbers due at this step, and the
 grids written, mirrored to wandb after the step's metrics),
-``save()`` and ``finish() -> export folder``.
+``save() -> checkpoint path, or None when the weights were not fit to save`` and ``finish() -> export
+folder``. A final step whose weights cannot be saved stops the run (``RunStopped``) instead of exporting
+them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from pretrain.runtime.guard import RunStopped
 
 
 def step_once(stage) -> dict:
@@ -27,12 +31,20 @@ def step_once(stage) -> dict:
     for path in media:
         stage.logger.log_media(step, path)
     if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-        stage.save()
+        if stage.save() is None and last:
+            raise RunStopped(f"step {step}: the final weights are not fit to save (see the warning above), so "
+                             f"nothing is exported; the latest checkpoint is intact and --resume continues from it")
     return metrics
 
 
 def run_stage(stage) -> Path:
-    """Run ``stage`` from where it stands (0, or a resumed step) to ``cfg.train.steps``; returns its export."""
-    while stage.step < stage.cfg.train.steps:
-        step_once(stage)
+    """Run ``stage`` from where it stands (0, or a resumed step) to ``cfg.train.steps``; returns its export.
+    On an exception the progress bar and wandb run are ended first (wandb marks the run failed), so the
+    error is the last thing printed."""
+    try:
+        while stage.step < stage.cfg.train.steps:
+            step_once(stage)
+    except BaseException:
+        stage.logger.close(exit_code=1)
+        raise
     return stage.finish()

@@ -85,13 +85,15 @@ class MetricsLogger:
         if self.enabled:
             self.bar.write(text)
 
-    def close(self) -> None:
-        if not self.enabled:
+    def close(self, exit_code: int = 0) -> None:
+        """End the progress bar, the file and the wandb run (marked failed with a non-zero
+        ``exit_code``); a second call does nothing."""
+        if not self.enabled or self._file.closed:
             return
         self.bar.close()
         self._file.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb.finish(exit_code=exit_code)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

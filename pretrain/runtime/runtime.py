@@ -9,6 +9,7 @@ extra ``stateful`` objects (data or prompt-sampler positions).
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Protocol
@@ -16,12 +17,15 @@ from typing import Protocol
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from pretrain.runtime.checkpoint import CheckpointManager, own_rank, per_rank, rng_state, set_rng_state
+from pretrain.runtime.checkpoint import (CheckpointError, CheckpointManager, own_rank, per_rank, rng_state,
+                                         set_rng_state)
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.ema import build_ema
 from pretrain.runtime.guard import NonFiniteGuard
 from pretrain.runtime.optim import build_lr_scheduler, build_optimizer
 from pretrain.runtime.precision import Precision
+
+log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -130,9 +134,36 @@ class Runtime:
             state["scaler"] = self.precision.scaler.state_dict()
         return state
 
-    def save(self, step: int | None = None) -> Path:
-        """Checkpoint the state as ``step_<step>`` (default: the optimizer step count)."""
-        return self.checkpoints.save(self.step if step is None else step, self.state_dict(), self.shape)
+    def unhealthy(self) -> str | None:
+        """Why the current weights must not be checkpointed, or None: the last step(s) were non-finite
+        and skipped (the weights produce non-finite losses), or a trainable parameter (or its EMA) holds
+        a non-finite value (named). Collective under a process group: every rank gets the same answer."""
+        reason = None
+        if self.guard.consecutive:
+            reason = f"the last {self.guard.consecutive} step(s) were non-finite and skipped"
+        else:
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            if self.ema is not None:
+                named += [(f"ema.{n}", p) for n, p in self.ema.module.named_parameters() if p.requires_grad]
+            bad = next((n for n, p in named if not bool(torch.isfinite(getattr(p, "_local_tensor", p)).all())), None)
+            reason = None if bad is None else f"parameter {bad} holds non-finite values"
+        if torch.distributed.is_initialized():
+            flags = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(flags, reason)
+            reason = next((r for r in flags if r), None)
+        return reason
+
+    def save(self, step: int | None = None) -> Path | None:
+        """Checkpoint the state as ``step_<step>`` (default: the optimizer step count). A checkpoint is
+        never written from weights :meth:`unhealthy` rejects: the save is skipped with a warning (the
+        previous checkpoint stays the latest) and None is returned."""
+        step = self.step if step is None else step
+        reason = self.unhealthy()
+        if reason:
+            log.warning("checkpoint step_%d not written: %s; the latest checkpoint stays %s", step, reason,
+                        self.checkpoints.latest())
+            return None
+        return self.checkpoints.save(step, self.state_dict(), self.shape)
 
     def load(self, path: str | Path) -> None:
         state = self.state_dict()
@@ -164,9 +195,32 @@ class Runtime:
         return None
 
     def resume(self) -> Path | None:
-        """Load the latest complete checkpoint if there is one; returns its path."""
-        latest = self.checkpoints.latest()
-        if latest is not None:
-            self.checkpoints.check_shape(latest, self.shape)
-            self.load(latest)
-        return latest
+        """Load the newest intact checkpoint if there is one; returns its path (None: no checkpoint).
+
+        A checkpoint is intact when it matches its manifest (:meth:`CheckpointManager.verify`), loads,
+        and holds finite weights; one that is not is reported by path with the reason (a warning) and
+        the previous one is tried. Raises ``ConfigError`` (naming the key and both values) when the
+        newest checkpoint was written by a run of another shape, and :class:`CheckpointError` naming
+        every checkpoint tried when none is intact."""
+        tried = []
+        for path in self.checkpoints.candidates():
+            self.checkpoints.check_shape(path, self.shape)
+            reason = self.checkpoints.verify(path)
+            if reason is None:
+                try:
+                    self.load(path)
+                except Exception as e:  # DCP's CheckpointException, a size mismatch, a pickle error, ...
+                    reason = f"does not load: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            if reason is None:
+                reason = self.unhealthy()
+            if reason is None:
+                if tried:
+                    log.warning("resumed from %s, the newest intact checkpoint (skipped: %s)", path,
+                                "; ".join(tried))
+                return path
+            log.warning("checkpoint %s is not usable: %s; trying the previous one", path, reason)
+            tried.append(f"{path}: {reason}")
+        if tried:
+            raise CheckpointError(f"no intact checkpoint to resume from in {self.checkpoints.root} ("
+                                  + "; ".join(tried) + "); start a new run_dir or restore a copy")
+        return None

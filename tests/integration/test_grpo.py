@@ -184,3 +184,48 @@ def test_grpo_runs_on_a_prompt_file(tiny_export, tmp_path):
     rec = read_metrics(tmp_path / "run/grpo/metrics.jsonl")[0]
     assert (tmp_path / "run/grpo/export/posttrain.json").is_file()
     assert rec["ratio_min"] > 1 - 1e-5 and rec["ratio_max"] < 1 + 1e-5 and torch.isfinite(torch.tensor(rec["reward_mean"]))
+
+
+def test_a_corrupt_checkpoint_resumes_from_the_previous_one_and_ends_bitwise(tiny_export, tmp_path, caplog):
+    import logging
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    args = ("checkpoint.every=1", "checkpoint.keep_last=5")
+    grpo_train(grpo_config(tmp_path / "a", tiny_export, "train.steps=3", *args))
+    grpo_train(grpo_config(tmp_path / "b", tiny_export, "train.steps=2", *args))
+    shard = next((tmp_path / "b/grpo/checkpoints/step_2").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-256:] = torch.full((64,), 3e38).numpy().tobytes()  # finite, loadable, wrong
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        grpo_train(grpo_config(tmp_path / "b", tiny_export, "train.steps=3", *args, "checkpoint.resume=true"))
+    assert f"step_2 is not usable: {shard.name} does not match its SHA-256" in caplog.text
+    states = []
+    for run in ("a", "b"):
+        dcp_to_torch_save(tmp_path / run / "grpo/checkpoints/step_3", tmp_path / f"{run}.pt")
+        states.append(torch.load(tmp_path / f"{run}.pt", weights_only=False))
+    a, b = states
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    ra = [r["reward_mean"] for r in read_metrics(tmp_path / "a/grpo/metrics.jsonl")]
+    rb = [r["reward_mean"] for r in read_metrics(tmp_path / "b/grpo/metrics.jsonl")]
+    assert ra == rb and len(ra) == 3
+    assert (tmp_path / "b/grpo/config.resume-1.yaml").is_file()
+
+
+if "test_nan" not in REGISTRY:
+    @register("test_nan")
+    def _nan_reward():
+        return lambda images, prompts=None, metadata=None: torch.full((len(images),), float("nan"))
+
+
+def test_a_reward_that_scores_nothing_stops_the_run_before_any_update(tiny_export, tmp_path, capsys):
+    from posttrain.cli import main
+
+    code = main(["grpo", "configs/grpo/emoji_tiny.yaml", f"run_dir={tmp_path}", f"model.pretrained={tiny_export}",
+                 "rewards.jpeg_compressibility=0", "rewards.test_nan=1", "train.steps=3", "checkpoint.every=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1] == ("error: iteration 1: no sample has a finite reward (test_nan: 16 of 16 non-finite); "
+                       "stopping before the update. The last complete checkpoint is intact.")
+    assert not (tmp_path / "grpo/export").exists() and not (tmp_path / "grpo/checkpoints").exists()

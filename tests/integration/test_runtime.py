@@ -148,19 +148,18 @@ def test_nan_loss_skips_the_step_and_training_continues(tmp_path, monkeypatch):
     assert math.isfinite(recs[5]["loss"])
 
 
-def test_consecutive_nans_stop_the_run_with_last_checkpoint_intact(tmp_path, monkeypatch, capsys):
+def test_consecutive_nans_stop_the_run_with_last_checkpoint_intact(tmp_path, monkeypatch, capsys, caplog):
     _nan_at(monkeypatch, set(range(2, 100)))
     code = main(["pretrain", str(ROOT / "configs/pretrain/emoji_tiny.yaml"), f"run_dir={tmp_path}",
                  "train.steps=10", "train.max_nonfinite=2", "checkpoint.every=2", "eval.every=0"])
     assert code == 1
     err = capsys.readouterr().err
     assert "non-finite loss" in err and "3 steps in a row" in err
+    assert "checkpoint step_4 not written: the last 2 step(s) were non-finite and skipped" in caplog.text
     ckpts = CheckpointManager(tmp_path / "pretrain/checkpoints")
-    assert ckpts.steps() == [2, 4]  # step 5 stopped the run; no checkpoint after it
+    assert ckpts.steps() == [2]  # steps 3 and 4 were skipped, so step 4's weights were not saved; 5 stopped the run
     good = _load_ckpt(ckpts.root / "step_2", tmp_path)
-    last = _load_ckpt(ckpts.root / "step_4", tmp_path)
-    for k, v in good["model"].items():
-        assert torch.isfinite(v).all() and torch.equal(v, last["model"][k])
+    assert all(torch.isfinite(v).all() for v in good["model"].values())
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
