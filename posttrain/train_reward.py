@@ -48,8 +48,8 @@ class RewardTrainSection:
         require_positive(self, prefix, "epochs", "batch_size", "threads", "eval_every")
         if self.batch_size < 2:
             raise ValueError(f"{prefix}batch_size: contrastive training needs >= 2, got {self.batch_size}")
-        if not self.lr > 0:
-            raise ValueError(f"{prefix}lr: must be > 0, got {self.lr}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"{prefix}lr: must be a finite number > 0, got {self.lr}")
         if self.shift < 0 or self.noise < 0:
             raise ValueError(f"{prefix}shift/noise: must be >= 0, got {self.shift}/{self.noise}")
 

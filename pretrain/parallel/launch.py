@@ -12,10 +12,45 @@ import torch
 import torch.multiprocessing as mp
 
 
+def _launcher_processes(pid: int) -> int | None:
+    """``--num_processes`` of an ``accelerate launch`` command line of process ``pid`` (None: not one)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "launch" not in argv or not any(a.endswith("accelerate") or a == "accelerate.commands.launch" for a in argv):
+        return None
+    for i, a in enumerate(argv):
+        value = argv[i + 1] if a == "--num_processes" and i + 1 < len(argv) else a.partition("=")[2] \
+            if a.startswith("--num_processes=") else None
+        if value and value.isdigit():
+            return int(value)
+    return None
+
+
+def check_launcher() -> None:
+    """``ConfigError`` when ``accelerate launch --cpu --num_processes N`` (N > 1) started this process
+    alone: accelerate's ``--cpu`` launcher starts one process (its multi-CPU mode needs MPI), so the
+    job would silently run on one rank. ``accelerate launch --multi_gpu --num_processes N`` starts N
+    ranks through torchrun (gloo on CPU, NCCL on GPUs) and is accepted, as is ``torchrun``."""
+    from pretrain.config import ConfigError
+
+    if "WORLD_SIZE" in os.environ or os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1"):
+        return
+    n = _launcher_processes(os.getppid())
+    if n and n > 1:
+        raise ConfigError(f"accelerate launch --cpu --num_processes {n} starts one process, not {n}: use "
+                          f"`accelerate launch --multi_gpu --num_processes {n} -m posttrain ...` (on CPU too: "
+                          f"it starts {n} gloo ranks through torchrun) or `torchrun --nproc_per_node {n} -m "
+                          f"posttrain ...`")
+
+
 def init_distributed() -> torch.device:
-    """Under ``torchrun`` (``WORLD_SIZE`` set): initialise the default process group (NCCL with CUDA,
-    gloo otherwise) from its environment variables and return this rank's device (``cuda:LOCAL_RANK``
-    or cpu). Without ``torchrun``: nothing to join, returns the default device."""
+    """Under ``torchrun`` (``WORLD_SIZE`` set; ``accelerate launch --multi_gpu`` sets it the same way):
+    initialise the default process group (NCCL with CUDA, gloo otherwise) from its environment
+    variables and return this rank's device (``cuda:LOCAL_RANK`` or cpu). Without it: nothing to
+    join, returns the default device. ``ConfigError`` from :func:`check_launcher`."""
+    check_launcher()
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" in os.environ and not torch.distributed.is_initialized():
         if cuda:

@@ -8,15 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ACCELERATE = [str(Path(sys.executable).parent / "accelerate"), "launch", "--num_machines", "1", "--mixed_precision",
+              "no", "--dynamo_backend", "no", "--num_processes", "2"]
 
 
-def _launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+def _launch(args: list[str], timeout: int = 300, launcher: list[str] = TORCHRUN) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    return subprocess.run([*TORCHRUN, "-m", "posttrain", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([*launcher, "-m", "posttrain", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -45,6 +48,27 @@ def test_torchrun_two_ranks_run_one_grpo_job(tiny_export, tmp_path):
                           f"model.pretrained={tiny_export}", f"run_dir={run}", "train.steps=2", "--resume"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 2 and "was written with 2, this run has 1" in one.stderr, one.stderr[-2000:]
+
+
+def test_accelerate_multi_gpu_launch_equals_torchrun_and_cpu_launch_is_refused(tiny_export, tmp_path):
+    args = ["grpo", "configs/grpo/emoji_tiny.yaml", f"model.pretrained={tiny_export}", "train.steps=1",
+            "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0"]
+    runs = {}
+    for name, launcher in (("torchrun", TORCHRUN), ("accelerate", [*ACCELERATE, "--multi_gpu"])):
+        proc = _launch([*args, f"run_dir={tmp_path / name}"], launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "ranks: world 2 = dp_replicate 1 x dp_shard 2 x sp 1" in proc.stdout + proc.stderr
+        runs[name] = (json.loads((tmp_path / name / "grpo/metrics.jsonl").read_text().splitlines()[0]),
+                      load_file(str(tmp_path / name / "grpo/lora/pytorch_lora_weights.safetensors")))
+    (m_t, lora_t), (m_a, lora_a) = runs["torchrun"], runs["accelerate"]
+    assert m_a["reward_mean"] == m_t["reward_mean"] and m_a["loss"] == m_t["loss"]
+    assert lora_a.keys() == lora_t.keys() and all(torch.equal(lora_a[k], lora_t[k]) for k in lora_t)
+    # --cpu starts one process whatever --num_processes says: refused before anything loads
+    proc = _launch([*args, f"run_dir={tmp_path / 'cpu'}"], launcher=[*ACCELERATE, "--cpu"], timeout=120)
+    assert proc.returncode != 0  # the run exits 2 (config error); accelerate reports any failure as 1
+    assert "config error: accelerate launch --cpu --num_processes 2 starts one process, not 2: use `accelerate launch " \
+           "--multi_gpu --num_processes 2" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cpu/grpo/metrics.jsonl").exists()
 
 
 def test_torchrun_prompts_not_divisible_by_ranks_is_a_config_error(tiny_export, tmp_path):
