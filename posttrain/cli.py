@@ -84,10 +84,13 @@ def _sample(args) -> int:
 
 
 def _serve_reward(args) -> int:
-    from posttrain.serve_reward import serve
+    from posttrain.serve_reward import Limits, serve
 
+    limits = Limits(max_body_bytes=int(args.max_body_mib * 2**20), max_image_pixels=args.max_image_pixels,
+                    max_request_pixels=args.max_request_pixels, read_timeout_s=args.read_timeout,
+                    max_inflight=args.max_inflight)
     try:
-        serve(args.config, args.host, args.port)
+        serve(args.config, args.host, args.port, limits=limits, token_file=args.token_file)
     except OSError as e:  # e.g. the port is in use
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -155,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("config", help="YAML file with a rewards: block")
     sr.add_argument("--host", default="127.0.0.1")
     sr.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed at start)")
+    sr.add_argument("--token-file", default=None, help="file holding the bearer token every request must send "
+                    "(default: $POSTTRAIN_REWARD_TOKEN); required unless --host is a loopback address")
+    sr.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body, MiB (default %(default)s)")
+    sr.add_argument("--max-image-pixels", type=_positive, default=4096 * 4096,
+                    help="largest width x height per image (default %(default)s)")
+    sr.add_argument("--max-request-pixels", type=_positive, default=4 * 4096 * 4096,
+                    help="largest total width x height per request (default %(default)s)")
+    sr.add_argument("--read-timeout", type=float, default=30.0,
+                    help="seconds for headers and body to arrive (default %(default)s)")
+    sr.add_argument("--max-inflight", type=_positive, default=2,
+                    help="requests decoded and scored at once (default %(default)s)")
     sr.set_defaults(func=_serve_reward)
     tr = sub.add_parser("train-reward", help="train the learned_clip reward model from a YAML config")
     tr.add_argument("config", help="YAML file (configs/reward/*.yaml)")

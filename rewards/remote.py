@@ -12,6 +12,9 @@ An answer with no match (or no text) scores NaN -- "not applicable", excluded fr
 and is counted in ``unparsed_total`` with one warning per batch quoting the first such answer. A
 server that is down or keeps failing raises ``RuntimeError`` naming the URL and the last error after
 ``1 + max_retries`` attempts (``rewards.transport``); nothing is ever filled with zeros.
+
+Built from a config, the judge is asked one tiny question first (``check``: an 8x8 grey image), so a
+server that is down, a wrong model name or a refused key fails at start-up in one line.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from rewards.base import register
 from rewards.png import encode_png_b64
-from rewards.transport import map_ordered, post_json
+from rewards.transport import RewardUnavailable, checked_at_build, map_ordered, one_line, post_json
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,6 @@ DEFAULT_TEMPLATE = ('How well does this image match the description "{prompt}"? 
 DEFAULT_PATTERN = r"[Ss]core\s*[:=]\s*([-+]?\d*\.?\d+(?:[eE][-+]?\d+)?)"
 
 
-@register("remote")
 class RemoteJudge:
     """Reward = a number parsed from a chat-completions judge's answer about each image.
 
@@ -57,7 +59,8 @@ class RemoteJudge:
 
     ``__call__(images [B, 3, H, W] float32 in [0, 1], prompts list[str] of length B, metadata)`` ->
     float32 ``[B]`` (NaN where the answer had no score). Raises ``ValueError`` for a bad shape or
-    prompt count, ``RuntimeError`` when the server cannot be reached or keeps failing.
+    prompt count, ``RuntimeError`` when the server cannot be reached or keeps failing. Built by name
+    from a ``rewards:`` config, ``check`` runs first.
     """
 
     def __init__(self, base_url: str, model: str, prompt_template: str = DEFAULT_TEMPLATE,
@@ -84,6 +87,17 @@ class RemoteJudge:
         self.system_prompt = system_prompt
         self.unparsed_total = 0
         self._count_lock = threading.Lock()
+
+    def check(self) -> str | None:
+        """Ask the judge about one 8x8 grey image (one request, with the retries) and return its answer
+        text, which need not contain a score. ``RewardUnavailable``, one line naming the URL, when the
+        server is down or keeps failing, rejects the request (a wrong model name, a missing key) or
+        answers without ``choices[0].message``."""
+        grey = encode_png_b64(torch.full((1, 3, 8, 8), 0.5))[0]
+        try:
+            return self._ask((grey, "a grey square"), None)[1]
+        except RuntimeError as e:
+            raise RewardUnavailable(one_line(f"remote reward: start-up check failed: {e}")) from e
 
     def request(self, png_b64: str, prompt: str) -> dict:
         """The chat-completions JSON body for one image (base64 PNG) and its prompt."""
@@ -132,3 +146,6 @@ class RemoteJudge:
                         "%d so far); first, sample %d: %r", len(bad), len(results), self.url,
                         self.pattern.pattern, self.unparsed_total, bad[0], str(results[bad[0]][1])[:200])
         return torch.tensor([score for score, _ in results], dtype=torch.float32)
+
+
+register("remote")(checked_at_build(RemoteJudge))
