@@ -78,7 +78,9 @@ def load_preference_pairs(path: str | Path, size: int, ties: str = "drop", limit
     preference probabilities ``[P]`` (1, or 0.5 for ties), skipped {reason: [row ids]}). ``ties``:
     "drop" or "half" (keep with probability 0.5). Raises
     ``DatasetError`` naming the file if nothing usable remains."""
-    from datasets import load_dataset
+    from pretrain.extras import require
+
+    load_dataset = require("datasets", "offline DPO pairs (offline.path)").load_dataset
 
     if ties not in ("drop", "half"):
         raise DatasetError(f"offline.ties: '{ties}' must be 'drop' or 'half'")

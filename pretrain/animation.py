@@ -16,7 +16,9 @@ def save_animation(videos: torch.Tensor, captions: list[str], stem: str | Path, 
     """Write videos float ``[N, F, 3, H, W]`` in [0, 1] to ``<stem>.gif`` and ``<stem>.mp4`` (H.264,
     ``fps`` frames per second; the frame is padded with white to even sides, as yuv420p needs). Returns
     the two paths. ``ValueError`` for a tensor that is not a batch of videos."""
-    import imageio.v2 as imageio
+    from pretrain.extras import require
+
+    imageio = require("imageio.v2", "writing video samples (GIF / MP4)")
 
     if videos.ndim != 5 or videos.shape[2] != 3:
         raise ValueError(f"save_animation: videos [N, F, 3, H, W] expected, got {tuple(videos.shape)}")

@@ -53,15 +53,16 @@ class OCR:
     Args: ``lang``: Tesseract language (``eng``); ``config``: extra Tesseract flags (default
     ``--psm 6``, one block of text); ``min_side``: images whose shorter side is below this are
     upscaled (bicubic) to it before reading (Tesseract needs glyphs ~20 px tall); ``case_sensitive``;
-    ``substring``; ``tesseract_cmd``: the binary (default ``tesseract`` on PATH). ``RuntimeError`` at construction when the ``tesseract`` binary or ``pytesseract`` is
-    missing; ``ValueError`` for a wrong image shape or prompt count."""
+    ``substring``; ``tesseract_cmd``: the binary (default ``tesseract`` on PATH). ``RuntimeError`` at
+    construction when the ``tesseract`` binary is missing, :class:`pretrain.extras.MissingExtra` when
+    ``pytesseract`` is (``pip install 'posttrain[ocr]'``); ``ValueError`` for a wrong image shape or
+    prompt count."""
 
     def __init__(self, lang: str = "eng", config: str = "--psm 6", min_side: int = 256,
                  case_sensitive: bool = False, substring: bool = True, tesseract_cmd: str | None = None):
-        try:
-            import pytesseract
-        except ImportError as e:
-            raise RuntimeError("ocr: the Python package pytesseract is not installed (pip install pytesseract)") from e
+        from pretrain.extras import require
+
+        pytesseract = require("pytesseract", "the ocr reward")
         cmd = tesseract_cmd or pytesseract.pytesseract.tesseract_cmd
         if shutil.which(cmd) is None:
             raise RuntimeError(f"ocr: the Tesseract binary '{cmd}' is not found; install the Debian package "

@@ -84,3 +84,12 @@ class WandbConfig:
     mode: str = "disabled"
     project: str = "posttrain"
     name: str | None = None
+
+    def validate(self, prefix: str = "") -> None:
+        import importlib.util
+
+        if self.mode not in ("disabled", "offline", "online"):
+            raise ValueError(f"{prefix}mode: '{self.mode}' is not one of disabled, offline, online")
+        if self.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+            raise ValueError(f"{prefix}mode: '{self.mode}' needs the package wandb, which is not installed: "
+                             f"pip install 'posttrain[wandb]'")

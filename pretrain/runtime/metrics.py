@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
+import string
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -20,7 +22,8 @@ def _clean(v):
 class MetricsLogger:
     """Append-only JSONL writer. A fresh run (``start_step`` 0) starts the file anew; on resume from
     ``start_step``, records after it (written by the interrupted run past its last checkpoint) and any
-    torn line are dropped, so the file reads as one run."""
+    torn line are dropped, so the file reads as one run; a wandb run is continued under its id
+    (``wandb_run_id``), not started anew."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, wandb: WandbConfig | None = None,
                  config: dict | None = None, show_keys: tuple[str, ...] = ("loss",), enabled: bool = True):
@@ -42,10 +45,23 @@ class MetricsLogger:
         self._file = self.path.open("a")
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, mininterval=1.0)
         if wandb is not None and wandb.mode != "disabled":
-            import wandb as wandb_lib
+            from pretrain.extras import require
 
+            wandb_lib = require("wandb", f"wandb.mode: {wandb.mode}")
             self._wandb = wandb_lib.init(project=wandb.project, name=wandb.name, mode=wandb.mode,
-                                         dir=str(run_dir), config=config, resume="allow")
+                                         dir=str(run_dir), config=config, resume="allow",
+                                         id=self._wandb_id(start_step > 0))
+
+    def _wandb_id(self, resume: bool) -> str:
+        """The wandb run id kept in ``<run_dir>/wandb_run_id``: a resumed run reuses it, so its curves
+        continue the interrupted run's (its re-run steps equal the logged ones: resume is bitwise); a
+        fresh run draws a new one."""
+        path = self.path.parent / "wandb_run_id"
+        if resume and path.is_file():
+            return path.read_text().strip()
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # wandb's form
+        path.write_text(run_id + "\n")
+        return run_id
 
     def log(self, step: int, metrics: dict, advance: bool = True) -> None:
         if not self.enabled:

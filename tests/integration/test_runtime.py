@@ -189,7 +189,13 @@ def test_torn_metrics_line_does_not_break_resume(tmp_path):
     assert steps == [0, 1, 2, 3]
 
 
-def test_wandb_offline_mirrors_metrics(tmp_path):
-    train(tiny_config(tmp_path, "train.steps=2", "eval.every=0", "wandb.mode=offline", "wandb.name=tiny"))
+def test_wandb_offline_mirrors_metrics_and_a_resume_continues_the_run(tmp_path):
+    args = ("eval.every=0", "wandb.mode=offline", "wandb.name=tiny", "checkpoint.every=1")
+    train(tiny_config(tmp_path, "train.steps=2", *args))
     runs = list((tmp_path / "pretrain/wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    run_id = (tmp_path / "pretrain/wandb_run_id").read_text().strip()
+    assert runs[0].name.endswith(f"-{run_id}")
+    train(tiny_config(tmp_path, "train.steps=3", *args, "checkpoint.resume=true"))
+    ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "pretrain/wandb").glob("offline-run-*")}
+    assert ids == {run_id}  # the resumed start logs under the same wandb run id
