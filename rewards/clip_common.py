@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from rewards.images import freeze, to_pil, torch_dtype
+from rewards.truncation import TruncationCounter, hf_token_counts
 
 
 def _features(out) -> torch.Tensor:
@@ -20,10 +21,13 @@ class LocalCLIP:
     """A frozen ``CLIPModel`` read from ``path`` (a ``save_pretrained`` folder: ``config.json`` +
     weights) with its processor from ``processor_path`` (default: ``path``): the image processor
     (``preprocessor_config.json``) and, when ``text``, the tokenizer (as ``CLIPProcessor`` saves them).
-    Loads local files only; ``FileNotFoundError`` naming the folder when one is missing."""
+    Prompts are cut at ``max_length`` tokens (start and end of text included: 75 BPE tokens of text at
+    77); ``truncation`` counts the prompts of each :meth:`text_embeds` call that were longer, under the
+    reward's ``name``. Loads local files only; ``FileNotFoundError`` naming the folder when one is
+    missing."""
 
     def __init__(self, path: str, processor_path: str | None = None, device: str = "cpu",
-                 dtype: str = "float32", max_length: int = 77, text: bool = True):
+                 dtype: str = "float32", max_length: int = 77, text: bool = True, name: str = "clip"):
         from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
         for p in (path, processor_path or path):
@@ -35,6 +39,7 @@ class LocalCLIP:
         self.image_processor = CLIPImageProcessor.from_pretrained(processor_path or path, local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(processor_path or path, local_files_only=True) if text else None
         self.max_length = max_length
+        self.truncation = TruncationCounter(name, max_length)
 
     @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
@@ -47,7 +52,9 @@ class LocalCLIP:
 
     @torch.no_grad()
     def text_embeds(self, prompts: list[str]) -> torch.Tensor:
-        """``B`` prompts -> L2-normalised float32 ``[B, D]`` (padded, truncated to ``max_length``)."""
+        """``B`` prompts -> L2-normalised float32 ``[B, D]`` (padded, truncated to ``max_length``; the
+        truncated ones counted in ``truncation``)."""
+        self.truncation.check(prompts, hf_token_counts(self.tokenizer, prompts))
         tok = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
                              return_tensors="pt")
         tok = {k: v.to(self.device) for k, v in tok.items() if k in ("input_ids", "attention_mask")}

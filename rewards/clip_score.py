@@ -22,12 +22,14 @@ class ClipScore:
     openai/clip-vit-large-patch14); ``processor_path``: the folder of its ``CLIPProcessor``
     (tokenizer + ``preprocessor_config.json``; default ``path``); ``device``; ``dtype`` of the model
     ("float32", "bfloat16", "float16"). Call: images float ``[B, 3, H, W]`` in [0, 1], ``B`` prompts ->
-    float32 ``[B]``. ``ValueError`` for a wrong shape or prompt count; ``FileNotFoundError`` for a
-    missing folder."""
+    float32 ``[B]``. Prompts longer than 77 tokens are cut (so they score as their first 77 tokens);
+    ``truncation`` counts them per call (:class:`rewards.truncation.TruncationCounter`). ``ValueError``
+    for a wrong shape or prompt count; ``FileNotFoundError`` for a missing folder."""
 
     def __init__(self, path: str, processor_path: str | None = None, scale: float = 1.0,
                  clamp_zero: bool = False, device: str = "cpu", dtype: str = "float32"):
-        self.clip = LocalCLIP(path, processor_path, device, dtype)
+        self.clip = LocalCLIP(path, processor_path, device, dtype, name="clip_score")
+        self.truncation = self.clip.truncation
         self.scale, self.clamp_zero = float(scale), bool(clamp_zero)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:

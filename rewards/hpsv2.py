@@ -10,6 +10,7 @@ import torch
 
 from rewards.base import register
 from rewards.images import check_images, freeze, to_pil
+from rewards.truncation import TruncationCounter, openclip_token_counts
 
 
 @register("hpsv2")
@@ -23,8 +24,10 @@ class HPSv2:
     OpenCLIP model-config JSON file (``embed_dim``, ``vision_cfg``, ``text_cfg``), registered under its
     file stem, which then is the architecture used; ``device``; ``precision`` (OpenCLIP's: fp32,
     bf16, fp16, amp, ...). Images go through OpenCLIP's validation transform (resize, centre crop,
-    OpenAI mean/std); prompts through the architecture's tokenizer (bundled BPE, no download).
-    ``FileNotFoundError`` for a missing file; ``ValueError`` for a wrong image shape or prompt count."""
+    OpenAI mean/std); prompts through the architecture's tokenizer (bundled BPE, no download), cut at
+    its context length (77 tokens with start and end of text for ViT-H-14) and counted per call in
+    ``truncation`` (:class:`rewards.truncation.TruncationCounter`). ``FileNotFoundError`` for a
+    missing file; ``ValueError`` for a wrong image shape or prompt count."""
 
     def __init__(self, checkpoint: str, model_name: str = "ViT-H-14", model_config: str | None = None,
                  device: str = "cpu", precision: str = "fp32"):
@@ -42,11 +45,13 @@ class HPSv2:
             model_name, pretrained=checkpoint, precision=precision, device=self.device, output_dict=True)
         self.model = freeze(model, self.device)
         self.tokenizer = open_clip.get_tokenizer(model_name)
+        self.truncation = TruncationCounter("hpsv2", int(getattr(self.tokenizer, "context_length", None) or 77))
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         check_images(images, prompts, "hpsv2")
         dtype = next(self.model.parameters()).dtype
         pixels = torch.stack([self.preprocess(im) for im in to_pil(images)]).to(self.device, dtype)
+        self.truncation.check(prompts, openclip_token_counts(self.tokenizer, list(prompts)))
         out = self.model(pixels, self.tokenizer(list(prompts)).to(self.device))
         return (out["image_features"].float() * out["text_features"].float()).sum(-1).cpu()

@@ -16,6 +16,7 @@ from rewards.aesthetic import AestheticMLP
 from rewards.base import register
 from rewards.images import check_images, freeze, to_pil
 from rewards.imagereward_convert import med_to_text_config, split_imagereward_state_dict
+from rewards.truncation import TruncationCounter, hf_token_counts
 
 # ImageReward v1.0: BLIP's med_config.json (bert-base + 2 added tokens) and BLIP's 'large' ViT.
 MED_CONFIG = {"vocab_size": 30524, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -65,9 +66,11 @@ class ImageReward:
     ``med_config.json`` (default: its released values, so no download); ``vision_config``: overrides
     of the ViT-L/16 settings (``BlipVisionConfig`` names: hidden_size, num_hidden_layers,
     num_attention_heads, intermediate_size, image_size, patch_size); ``device``; ``max_length`` of
-    the prompt tokens (35, as released). Images: bicubic resize + centre crop to ``image_size`` and
-    CLIP mean/std, as ImageReward's own transform. ``FileNotFoundError`` for a missing file;
-    ``ValueError`` when the checkpoint does not fit the configured architecture."""
+    the prompt tokens (35 with [CLS] and [SEP], as released; longer prompts are cut, and counted per
+    call in ``truncation``, a :class:`rewards.truncation.TruncationCounter`). Images: bicubic resize +
+    centre crop to ``image_size`` and CLIP mean/std, as ImageReward's own transform.
+    ``FileNotFoundError`` for a missing file; ``ValueError`` when the checkpoint does not fit the
+    configured architecture."""
 
     def __init__(self, checkpoint: str, tokenizer_path: str, med_config: str | None = None,
                  vision_config: dict | None = None, device: str = "cpu", max_length: int = 35):
@@ -87,6 +90,7 @@ class ImageReward:
         self.vision, self.text, self.mlp = (freeze(m, self.device) for m in (vision, text, mlp))
         self.tokenizer = blip_tokenizer(tokenizer_path)
         self.max_length = max_length
+        self.truncation = TruncationCounter("imagereward", max_length)
         size = vcfg["image_size"]
         self.preprocess = T.Compose([T.Resize(size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
                                      T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
@@ -96,6 +100,7 @@ class ImageReward:
         check_images(images, prompts, "imagereward")
         pixels = torch.stack([self.preprocess(im) for im in to_pil(images)]).to(self.device)
         image_embeds = self.vision(pixel_values=pixels).last_hidden_state
+        self.truncation.check(prompts, hf_token_counts(self.tokenizer, prompts))
         tok = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
                              return_tensors="pt").to(self.device)
         image_atts = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=self.device)

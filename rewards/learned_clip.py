@@ -27,6 +27,7 @@ from torch import nn
 
 from rewards.base import register
 from rewards.images import check_images, freeze
+from rewards.truncation import TruncationCounter, hf_token_counts
 
 FORMAT = "learned_clip/1"
 
@@ -89,8 +90,9 @@ def contrastive_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) 
 
 
 class TextFeatures:
-    """Frozen MiniLM: ``B`` prompts -> mean-pooled (attention mask), L2-normalised float32 ``[B, 384]``.
-    Results are cached per prompt string (GRPO scores each prompt ``group_size`` times).
+    """Frozen MiniLM: ``B`` prompts -> mean-pooled (attention mask), L2-normalised float32 ``[B, 384]``,
+    each prompt cut at ``max_length`` tokens ([CLS] and [SEP] included). Results are cached per prompt
+    string (GRPO scores each prompt ``group_size`` times), as are :meth:`token_counts`.
     ``FileNotFoundError`` when ``path`` is not a folder."""
 
     def __init__(self, path: str | None = None, max_length: int = 32, device: str = "cpu"):
@@ -107,6 +109,13 @@ class TextFeatures:
         self.model = freeze(AutoModel.from_pretrained(path, local_files_only=True), self.device)
         self.dim = int(self.model.config.hidden_size)
         self.cache: dict[str, torch.Tensor] = {}
+        self.lengths: dict[str, int] = {}
+
+    def token_counts(self, prompts: list[str]) -> list[int]:
+        """Tokens per prompt before cutting ([CLS] and [SEP] included): ``B`` prompts -> ``B`` ints."""
+        todo = sorted({p for p in prompts if p not in self.lengths})
+        self.lengths.update(zip(todo, hf_token_counts(self.tokenizer, todo)))
+        return [self.lengths[p] for p in prompts]
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], batch_size: int = 256) -> torch.Tensor:
@@ -163,17 +172,28 @@ class LearnedClip:
     (``logit: true`` multiplies by the learned 1/temperature, as CLIP's logits).
 
     Args: ``path``: a folder written by ``posttrain train-reward``; ``device``; ``logit``. Call: images
-    float ``[B, 3, H, W]`` in [0, 1], ``B`` prompts. ``ValueError`` for a wrong shape or prompt count,
-    ``FileNotFoundError`` for a missing folder or file."""
+    float ``[B, 3, H, W]`` in [0, 1], ``B`` prompts. Prompts longer than the model's
+    ``text_max_length`` tokens (32 by default, [CLS] and [SEP] included) are cut; ``truncation``
+    counts them per call (:class:`rewards.truncation.TruncationCounter`, named as the reward).
+    ``ValueError`` for a wrong shape or prompt count, ``FileNotFoundError`` for a missing folder or
+    file."""
+
+    reward_name = "learned_clip"
 
     def __init__(self, path: str, device: str = "cpu", logit: bool = False):
         self.net = load_learned_clip(path, device)
         self.device, self.logit = torch.device(device), bool(logit)
         self.text = shared_text_features(self.net.cfg.text_path, self.net.cfg.text_max_length, device)
+        self.truncation = TruncationCounter(self.reward_name, self.net.cfg.text_max_length)
+
+    def count_truncated(self, prompts: list[str]) -> None:
+        """Record in ``truncation`` how many of the call's ``prompts`` are longer than the limit."""
+        self.truncation.check(prompts, self.text.token_counts(list(prompts)))
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         check_images(images, prompts, "learned_clip")
+        self.count_truncated(prompts)
         img = self.net.image_embeds(images.to(self.device))
         txt = self.net.text_embeds(self.text(list(prompts)).to(self.device))
         cos = (img * txt).sum(-1)
@@ -196,6 +216,8 @@ class LearnedClipContrastive(LearnedClip):
     there); ``max_negatives``: keep the first K distinct captions. A bank caption equal to the prompt
     is not counted twice. ``FileNotFoundError`` for a missing bank."""
 
+    reward_name = "learned_clip_contrastive"
+
     def __init__(self, path: str, device: str = "cpu", negatives: str | None = None, max_negatives: int = 1024):
         super().__init__(path, device, logit=True)
         bank_path = Path(negatives) if negatives else Path(path) / CAPTIONS
@@ -209,6 +231,7 @@ class LearnedClipContrastive(LearnedClip):
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         check_images(images, prompts, "learned_clip_contrastive")
+        self.count_truncated(prompts)
         img = self.net.image_embeds(images.to(self.device))
         txt = self.net.text_embeds(self.text(list(prompts)).to(self.device))
         scale = self.net.scale()
@@ -230,6 +253,8 @@ class LearnedClipRetrieval(LearnedClip):
     Args: ``path``, ``device`` as :class:`LearnedClip`; ``top_k`` (>= 1, default 5); ``candidates``.
     ``ValueError`` for ``top_k`` < 1, ``FileNotFoundError`` for a missing file."""
 
+    reward_name = "learned_clip_retrieval"
+
     def __init__(self, path: str, device: str = "cpu", top_k: int = 5, candidates: str | None = None):
         super().__init__(path, device)
         if not isinstance(top_k, int) or top_k < 1:
@@ -244,6 +269,7 @@ class LearnedClipRetrieval(LearnedClip):
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         check_images(images, prompts, "learned_clip_retrieval")
+        self.count_truncated(prompts)
         pool = sorted(set(self.extra) | set(prompts))
         img = self.net.image_embeds(images.to(self.device))
         sims = img @ self.net.text_embeds(self.text(pool).to(self.device)).T  # [B, M]

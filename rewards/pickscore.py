@@ -18,12 +18,14 @@ class PickScore:
     Args: ``path``: a local ``CLIPModel`` folder (a copy of yuvalkirstain/PickScore_v1);
     ``processor_path``: the ``CLIPProcessor`` folder (PickScore uses that of
     laion/CLIP-ViT-H-14-laion2B-s32B-b79K; default ``path``); ``device``; ``dtype``. Images float
-    ``[B, 3, H, W]`` in [0, 1] with ``B`` prompts. ``ValueError`` for a wrong shape or prompt count;
-    ``FileNotFoundError`` for a missing folder."""
+    ``[B, 3, H, W]`` in [0, 1] with ``B`` prompts; prompts longer than 77 tokens are cut and counted in
+    ``truncation`` (:class:`rewards.truncation.TruncationCounter`). ``ValueError`` for a wrong shape or
+    prompt count; ``FileNotFoundError`` for a missing folder."""
 
     def __init__(self, path: str, processor_path: str | None = None, device: str = "cpu",
                  dtype: str = "float32"):
-        self.clip = LocalCLIP(path, processor_path, device, dtype)
+        self.clip = LocalCLIP(path, processor_path, device, dtype, name="pickscore")
+        self.truncation = self.clip.truncation
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         check_images(images, prompts, "pickscore")
