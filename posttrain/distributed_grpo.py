@@ -73,6 +73,15 @@ class RankLayout(StageRanks):
 
         return cat(total), {k: cat(v) for k, v in raw.items()}, cat(group_ids)
 
+    def sum_counts(self, counts: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        """``{name: (a, b)}`` integer pairs summed over the data-parallel group (the same names, in the
+        same order, on every rank); unchanged in one process."""
+        if not self.mesh or not counts:
+            return counts
+        t = torch.tensor([list(v) for v in counts.values()], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(t, group=self.mesh.dp_group)
+        return {k: (int(a), int(b)) for k, (a, b) in zip(counts, t.tolist())}
+
     def local(self, t: torch.Tensor, group_size: int) -> torch.Tensor:
         """This rank's samples of a gathered per-sample tensor ``[n * dp, ...]``."""
         return t[self.start * group_size:self.stop * group_size]

@@ -244,6 +244,8 @@ class DPORun:
         self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
             cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
             "pairs per global micro-batch; each rank trains its contiguous share")
+        # rewards first: a reward server that does not answer fails the run before any model loads
+        self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
         self.st = st = PolicyStage.setup(cfg, "dpo")
         n_trainable = count_parameters(st.model, trainable_only=True)
         ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile)
@@ -257,7 +259,6 @@ class DPORun:
             self.pairs, self.held_pairs = offline_pairs(cfg, st.encoder, st.meta["image_size"])
             self.pair_sampler = EpochSampler(len(self.pairs), self.seed)
             stateful["pairs"] = self.pair_sampler
-        self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful, shape=st.policy.shape())
         resumed = rt.start(cfg.checkpoint.resume)

@@ -29,6 +29,7 @@ from pretrain.runtime.profiling import StepProfiler, peak_rss_mb
 from pretrain.runtime.runtime import Runtime
 from rewards.base import CompositeReward, check_reward_weights
 from rewards.scoring import AsyncScorer
+from rewards.truncation import fractions, take_truncation_counts
 from rollout.config import RolloutConfig
 from rollout.sampler import Sampler
 from rollout.timed_codec import TimedCodec
@@ -133,6 +134,7 @@ class GRPORun:
         self.ranks = ranks = RankLayout.start_job(cfg.parallel)  # a no-op in one process
         ranks.check(cfg.rollout.prompts_per_step, cfg.train.batch_size, cfg.train.ema_decay)
         self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed, cfg.policy.lora_rank > 0)
+        self.rewards = CompositeReward(cfg.rewards)  # first: a reward server that does not answer fails fast
         self.st = st = PolicyStage.setup(cfg, "grpo")
         ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile)
         meta, self.seed, ro = st.meta, cfg.train.seed, cfg.rollout
@@ -142,7 +144,6 @@ class GRPORun:
         self.update = self.parts.update(cfg.grpo, self.perf, st.policy)
         self.n, _, self.opt_per_iter = iteration_shape(cfg)
         self.prompts = EpochSampler(len(st.train_set), self.seed)
-        self.rewards = CompositeReward(cfg.rewards)
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
@@ -198,6 +199,9 @@ class GRPORun:
                 record_uncond=records_uncond(self.perf, cfg.grpo.detach_uncond, ro.guidance_scale))
         t1 = time.perf_counter()
         total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
+        truncated = fractions(self.ranks.sum_counts(take_truncation_counts(self.rewards.models)))
+        check_prompts = getattr(st.encoder, "check_truncation", None)  # every rank drew the same prompts
+        text_truncated = check_prompts([st.train_set.captions[i] for i in picked]) if check_prompts else None
         adv, valid, zero = parts.advantage(total, raw, self.rewards.weights, group_ids,
                                            torch.as_tensor(picked, dtype=torch.long)[group_ids])
         for line in self.signal.check(it + 1, total, raw, zero):  # stops before the update, if it must
@@ -211,7 +215,10 @@ class GRPORun:
                             dp_group=self.ranks.mesh.dp_group if self.ranks.distributed else None)
         t3 = time.perf_counter()
         self.step = it = it + 1
-        return {**reward_stats(total, raw), **summarize(stats), "zero_spread_frac": float(zero.float().mean()),
+        extra = {f"reward/{n}_truncated_frac": f for n, f in truncated.items()}
+        if text_truncated is not None:
+            extra["text_encoder_truncated_frac"] = text_truncated
+        return {**reward_stats(total, raw), **summarize(stats), **extra, "zero_spread_frac": float(zero.float().mean()),
                 "samples": self.n, "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
                 "time_rollout_s": t1 - t0 - codec.seconds, "time_decode_s": codec.seconds,
                 "time_reward_wait_s": self.scorer.wait_seconds, "time_advantage_s": t2 - t1,

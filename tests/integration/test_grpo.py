@@ -132,7 +132,8 @@ def test_grpo_raises_a_deterministic_reward(tiny_export, tmp_path):
     assert len(rewards) == 6
     want = {"reward/test_brightness_mean", "reward/test_brightness_std", "clip_frac", "approx_kl", "ratio_min",
             "ratio_mean", "ratio_max", "grad_norm", "samples_per_s", "zero_spread_frac", "time_rollout_s",
-            "time_reward_wait_s", "time_decode_s", "time_train_s", "peak_rss_mb", "lr", "nonfinite_total"}
+            "time_reward_wait_s", "time_decode_s", "time_train_s", "peak_rss_mb", "lr", "nonfinite_total",
+            "text_encoder_truncated_frac", "reward/test_brightness_nonfinite"}
     assert all(want <= set(r) for r in recs), want - set(recs[0])
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.01, rewards
 
@@ -229,3 +230,13 @@ def test_a_reward_that_scores_nothing_stops_the_run_before_any_update(tiny_expor
     assert err[-1] == ("error: iteration 1: no sample has a finite reward (test_nan: 16 of 16 non-finite); "
                        "stopping before the update. The last complete checkpoint is intact.")
     assert not (tmp_path / "grpo/export").exists() and not (tmp_path / "grpo/checkpoints").exists()
+
+
+def test_truncated_prompts_are_counted_per_iteration(tiny_export, tmp_path):
+    long = "a watercolor painting of a small red fox sitting in a snowy birch forest at dawn, soft light, " * 2
+    (tmp_path / "train.txt").write_text(f"{long}one\n{long}two\na red apple\na blue car\n")
+    (tmp_path / "test.txt").write_text("a yellow star\n")
+    grpo_train(grpo_config(tmp_path / "run", tiny_export, "data.source=prompts", f"data.path={tmp_path}",
+                           "train.steps=1", "rollout.guidance_scale=1.0"))
+    rec = read_metrics(tmp_path / "run/grpo/metrics.jsonl")[0]
+    assert rec["text_encoder_truncated_frac"] == 0.5  # 2 of the 4 prompts are longer than MiniLM's 24 tokens
