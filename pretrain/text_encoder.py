@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from rewards.truncation import TruncationCounter, hf_token_counts
 
@@ -79,7 +80,7 @@ class MiniLMEncoder:
         than ``max_length`` tokens are cut, and counted (:meth:`check_truncation`)."""
         self.check_truncation(prompts)
         out = []
-        for i in range(0, len(prompts), batch_size):
+        for i in _batches(len(prompts), batch_size, self.name):
             tok = self.tokenizer(prompts[i:i + batch_size], padding="max_length", truncation=True,
                                  max_length=self.max_length, return_tensors="pt").to(self.device)
             h = self.model(**tok).last_hidden_state.float()
@@ -88,6 +89,13 @@ class MiniLMEncoder:
             pooled = torch.nn.functional.normalize(h.sum(1) / mask.sum(1).clamp(min=1), dim=-1)
             out.append(PromptEmbeds(h.cpu(), pooled.cpu()))
         return PromptEmbeds.cat(out)
+
+
+def _batches(n: int, batch_size: int, name: str):
+    """Batch starts over ``n`` prompts, with a progress bar when there is more than one batch."""
+    starts = range(0, n, batch_size)
+    return tqdm(starts, desc=f"encoding {n} prompts ({name})", disable=len(starts) < 2, leave=False,
+                dynamic_ncols=True)
 
 
 class CLIPFolderEncoder:
@@ -124,7 +132,7 @@ class CLIPFolderEncoder:
         and counted (:meth:`check_truncation`)."""
         self.check_truncation(prompts)
         out = []
-        for i in range(0, len(prompts), batch_size):
+        for i in _batches(len(prompts), batch_size, self.name):
             tok = self.tokenizer(prompts[i:i + batch_size], padding="max_length", truncation=True,
                                  max_length=self.max_length, return_tensors="pt").to(self.device)
             o = self.model(**tok, output_hidden_states=False)

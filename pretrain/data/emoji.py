@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,9 @@ def render_emoji(texts: list[str], size: int = 32, oversample: int = 3) -> torch
     font = ImageFont.truetype(str(_openmoji_dir() / "font" / "glyf_colr0.ttf"), size=font_px,
                               layout_engine=ImageFont.Layout.RAQM)
     out = np.empty((len(texts), size, size, 3), dtype=np.uint8)
-    for i, text in enumerate(texts):
+    bar = tqdm(texts, desc=f"rendering {len(texts)} emoji at {size} px", disable=len(texts) < 256,
+               leave=False, dynamic_ncols=True)
+    for i, text in enumerate(bar):
         im = Image.new("RGBA", (canvas, canvas), (255, 255, 255, 0))
         ImageDraw.Draw(im).text((canvas / 2, canvas / 2), text, font=font, embedded_color=True, anchor="mm")
         white = Image.new("RGBA", im.size, (255, 255, 255, 255))
