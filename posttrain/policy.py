@@ -84,11 +84,14 @@ class Policy:
         return t.requires_grad_(False)
 
     def save_adapter(self, out_dir: str | Path, source: torch.nn.Module | None = None) -> Path | None:
-        """Write the LoRA adapter (diffusers/peft format, safetensors) to ``out_dir``; None for full FT."""
+        """Write the LoRA adapter to ``out_dir`` (:func:`pretrain.models.pipelines.save_lora`: keys prefixed
+        ``transformer.``, alpha in the metadata; loads with ``transformer.load_lora_adapter(out_dir)``);
+        returns ``out_dir``, or None for full fine-tuning."""
         if not self.lora:
             return None
-        (source or self.model).transformer.save_lora_adapter(str(out_dir), safe_serialization=True)
-        return Path(out_dir)
+        from pretrain.models.pipelines import save_lora
+
+        return save_lora((source or self.model).transformer, out_dir)
 
 
 class MergedCopy:

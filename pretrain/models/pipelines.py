@@ -88,17 +88,49 @@ def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) 
     return out
 
 
-def save_pipeline_lora(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
-    """Write ``denoiser``'s peft LoRA adapter with the pipeline class's ``save_lora_weights`` (keys
-    prefixed by the component, ``pytorch_lora_weights.safetensors``), the file its
-    ``load_lora_weights`` reads. The adapter's ``LoraConfig`` goes into the file's metadata, so the
-    loader keeps its ``lora_alpha`` (without it, diffusers assumes alpha = rank)."""
+def save_lora(denoiser: torch.nn.Module, out_dir: str | Path, pipeline: str | None = None,
+              component: str = "transformer") -> Path:
+    """Write ``denoiser``'s peft LoRA adapter ("default") into ``out_dir`` as two files, each loading in
+    diffusers with default arguments at the trained strength:
+
+    - ``pytorch_lora_weights.safetensors``: keys prefixed ``<component>.``, the adapter's ``LoraConfig``
+      in the file's ``lora_adapter_metadata`` (keys prefixed likewise), so the loader keeps its
+      ``lora_alpha`` (without it diffusers assumes alpha = rank). Written by the pipeline class
+      ``pipeline``'s ``save_lora_weights`` (diffusers' generic LoRA writer when None): the file its
+      ``load_lora_weights(out_dir)`` reads, and ``load_lora_adapter(out_dir, weight_name=...)``.
+    - ``pytorch_lora_weights.bin``: the file a model's ``load_lora_adapter(out_dir)`` reads when given no
+      ``weight_name`` (diffusers' ``ModelMixin`` then looks for this name only, and reads no metadata
+      from it): keys prefixed ``transformer.`` (that method's default prefix, a UNet's too), each
+      module's scale (``lora_alpha / r``) folded into its ``lora_B``, so alpha = rank gives the
+      trained update.
+
+    Returns ``out_dir``."""
     import diffusers
+    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME, LoraBaseMixin
+    from peft.tuners.lora import LoraLayer
     from peft.utils import get_peft_model_state_dict
 
-    pipe_cls = getattr(diffusers, meta["pipeline"])
     layers = get_peft_model_state_dict(denoiser)
-    comp, config = meta["component"], denoiser.peft_config["default"].to_dict()
-    pipe_cls.save_lora_weights(str(out_dir), **{f"{comp}_lora_layers": layers, f"{comp}_lora_adapter_metadata": config},
-                               safe_serialization=True)
+    config = denoiser.peft_config["default"].to_dict()
+    if pipeline is None:
+        LoraBaseMixin.write_lora_layers(LoraBaseMixin.pack_weights(layers, component), str(out_dir),
+                                        is_main_process=True, weight_name=None, save_function=None,
+                                        safe_serialization=True,
+                                        lora_adapter_metadata=LoraBaseMixin.pack_weights(config, component))
+    else:
+        getattr(diffusers, pipeline).save_lora_weights(
+            str(out_dir), **{f"{component}_lora_layers": layers, f"{component}_lora_adapter_metadata": config},
+            safe_serialization=True)
+    scales = {name: m.scaling["default"] for name, m in denoiser.named_modules()
+              if isinstance(m, LoraLayer) and "default" in m.scaling}
+    folded = {k: v * scales[k.split(".lora_B.")[0]] if ".lora_B." in k else v for k, v in layers.items()}
+    LoraBaseMixin.write_lora_layers(LoraBaseMixin.pack_weights(folded, "transformer"), str(out_dir),
+                                    is_main_process=True, weight_name=LORA_WEIGHT_NAME, save_function=None,
+                                    safe_serialization=False)
     return Path(out_dir)
+
+
+def save_pipeline_lora(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
+    """:func:`save_lora` of ``denoiser`` for the export ``meta`` (``pipeline``, ``component``): loads with
+    ``Pipeline.load_lora_weights(out_dir)`` and ``pipe.<component>.load_lora_adapter(out_dir)``."""
+    return save_lora(denoiser, out_dir, meta["pipeline"], meta["component"])
