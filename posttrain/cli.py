@@ -108,6 +108,16 @@ def _train_reward(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from posttrain.report import write_report
+
+    out = write_report(args.run_dir)
+    print(f"report: {out['report']}")
+    for png in out["pngs"]:
+        print(f"plot: {png}")
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -174,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config", help="YAML file (configs/reward/*.yaml)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=5")
     tr.set_defaults(func=_train_reward)
+    rp = sub.add_parser("report", help="report.md with PNG curves of every stage, the evaluation and its grids side by side")
+    rp.add_argument("run_dir", help="a pipeline run folder (stage subfolders, eval/) or one stage's folder")
+    rp.set_defaults(func=_report)
     return p
 
 

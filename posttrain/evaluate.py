@@ -11,6 +11,7 @@ drifting off the data (e.g. blank images).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,8 @@ from pretrain.export import load_exported
 from pretrain.objective import FlowConfig
 from pretrain.sampling import initial_noise, sample_latents, save_grid
 from rewards.base import build_reward, check_reward_weights
+
+GRID_COLS = 8  # columns of the per-model grids (eval.json records it for the run report)
 
 
 @dataclass
@@ -111,8 +114,9 @@ def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
 def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cpu",
              data: DataConfig | None = None) -> dict:
     """Evaluate export folders ``models`` on ``data`` (default: the data the first model was trained on,
-    recorded in its export, else the OpenMoji set); writes ``report.md`` and one grid per model to ``out_dir``.
-    Returns {"prompts", "rewards": {name: [K x P tensors per model]}, "guard": [...], "grids": [...]}."""
+    recorded in its export, else the OpenMoji set); writes ``report.md``, one grid per model and ``eval.json``
+    (models, sampling settings, every prompt, the grid prompts and columns) to ``out_dir``. Returns
+    {"prompts", "rewards": {name: [K x P tensors per model]}, "guard": [...], "grids": [...], "settings", "table"}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reward_fns = {}
@@ -134,7 +138,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         for name, fn in reward_fns.items():
             results["rewards"][name].append(fn(images, prompts * k, None).float().view(k, p).T)
         grid_n = min(cfg.grid_prompts, p)
-        results["grids"].append(str(save_grid(images[:grid_n], prompts[:grid_n], out_dir / f"grid_model{m_i}.png")))
+        results["grids"].append(str(save_grid(images[:grid_n], prompts[:grid_n], out_dir / f"grid_model{m_i}.png",
+                                              cols=GRID_COLS)))
         guard = float("nan")
         if cfg.guard_samples:
             flow = FlowConfig(objective=meta.get("objective", "rectified_flow"))  # the export's own loss
@@ -142,8 +147,15 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
                                  num_samples=cfg.guard_samples, device=device)
         results["guard"].append(guard)
     results["prompts"] = prompts
+    results["settings"] = {"sampler": "ODE", "num_inference_steps": cfg.num_inference_steps,
+                           "guidance_scale": cfg.guidance_scale, "seed": cfg.seed,
+                           "samples_per_prompt": cfg.samples_per_prompt, "prompts": cfg.prompts}
     results["table"] = report_table(results)
     (out_dir / "report.md").write_text(results["table"] + "\n")
+    grid_n = min(cfg.grid_prompts, len(prompts))
+    (out_dir / "eval.json").write_text(json.dumps(
+        {"models": models, "settings": results["settings"], "prompts": prompts, "grids": results["grids"],
+         "grid_prompts": prompts[:grid_n], "grid_cols": GRID_COLS}, indent=1) + "\n")
     return results
 
 
@@ -166,5 +178,10 @@ def report_table(results: dict) -> str:
     lines.append("")
     lines += [f"model {i}: {m}" for i, m in enumerate(models)]
     lines.append(f"prompts: {len(results['prompts'])} (same ODE seeds for every model)")
+    if "settings" in results:
+        s = results["settings"]
+        lines.append(f"sampling: {s['sampler']}, {s['num_inference_steps']} steps, guidance {s['guidance_scale']}, "
+                     f"seed {s['seed']} (sample j of prompt i: noise j * P + i), {s['samples_per_prompt']} "
+                     f"sample(s) per prompt, prompts from {s['prompts']}")
     lines += [f"grid model {i}: {g}" for i, g in enumerate(results["grids"])]
     return "\n".join(lines)

@@ -1,8 +1,11 @@
 """`posttrain pipeline CONFIG`: chain stages (pretrain -> grpo ...), each starting from the previous
-stage's export, then evaluate every stage's export side by side (paired, same seeds)."""
+stage's export, then evaluate every stage's export side by side (paired, same seeds), then write the run
+report (``<run_dir>/report.md`` with plots, :mod:`posttrain.report`)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +39,8 @@ class PipelineConfig:
 
 
 def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
-    """Run every stage, then the evaluation. Returns {"exports": [...], "eval": results or None}."""
+    """Run every stage, then the evaluation, then the run report (a failure there is printed, not raised).
+    Returns {"exports": [...], "eval": results or None, "report": report.md path or None}."""
     from pretrain.runtime.runtime import resolve_device
 
     if not cfg.stages:
@@ -69,4 +73,13 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
         data = getattr(stages[0][2], "data", None)  # held-out prompts and guard images of the first stage's data
         results = evaluate(exports, cfg.eval, run / "eval", device=resolve_device(cfg.device), data=data)
         print(results["table"], flush=True)
-    return {"exports": exports, "eval": results}
+    report = None
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank writes the report
+        from posttrain.report import write_report
+
+        try:
+            report = write_report(run)["report"]
+            print(f"report: {report}", flush=True)
+        except Exception as err:  # noqa: BLE001 - the plots must never cost a finished run its exit status
+            print(f"report: not written: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    return {"exports": exports, "eval": results, "report": report}
