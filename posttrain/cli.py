@@ -1,7 +1,8 @@
 """The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo CONFIG [key=value ...]`), chain
 stages (`posttrain pipeline CONFIG`), race algorithms on equal wall-clock (`posttrain sweep CONFIG`),
 sample (`posttrain sample MODEL ...`), evaluate (`posttrain eval MODEL [MODEL ...]`), serve rewards
-over HTTP (`posttrain serve-reward CONFIG`), train the learned_clip reward model (`posttrain train-reward CONFIG [key=value ...]`).
+over HTTP (`posttrain serve-reward CONFIG`), train the learned_clip reward model (`posttrain train-reward
+CONFIG [key=value ...]`), write a run's report with plots (`posttrain report RUN_DIR`).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """

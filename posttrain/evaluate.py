@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from pretrain.config import require_positive
 
@@ -125,7 +126,10 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         reward_fns[entry] = build_reward(name, **params)
     results = {"models": models, "rewards": {n: [] for n in cfg.rewards}, "guard": [], "grids": []}
     prompts = None
+    phases = ("load", "sample", "score") + (("guard",) if cfg.guard_samples else ())
+    bar = tqdm(total=len(models) * len(phases), desc="eval", dynamic_ncols=True)
     for m_i, path in enumerate(models):
+        bar.set_postfix_str(f"model {m_i}: loading")
         model, encoder, codec, meta = load_exported(path, device=str(device))
         model.eval()
         default = DataConfig(**meta["data"]) if "data" in meta else DataConfig()  # the pretraining data
@@ -134,18 +138,26 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         null = encoder.encode([""]).to(device)
         embeds = encoder.encode(prompts)
         k, p = cfg.samples_per_prompt, len(prompts)
+        bar.update()
+        bar.set_postfix_str(f"model {m_i}: sampling {k * p} images")
         images = paired_samples(model, codec, embeds, null, cfg, meta["image_size"], meta["sampling"]["shift"], device)
+        bar.update()
+        bar.set_postfix_str(f"model {m_i}: scoring")
         for name, fn in reward_fns.items():
             results["rewards"][name].append(fn(images, prompts * k, None).float().view(k, p).T)
+        bar.update()
         grid_n = min(cfg.grid_prompts, p)
         results["grids"].append(str(save_grid(images[:grid_n], prompts[:grid_n], out_dir / f"grid_model{m_i}.png",
                                               cols=GRID_COLS)))
         guard = float("nan")
         if cfg.guard_samples:
+            bar.set_postfix_str(f"model {m_i}: guard loss")
             flow = FlowConfig(objective=meta.get("objective", "rectified_flow"))  # the export's own loss
             guard = heldout_loss(model, codec, held, null, flow, seed=cfg.seed,
                                  num_samples=cfg.guard_samples, device=device)
+            bar.update()
         results["guard"].append(guard)
+    bar.close()
     results["prompts"] = prompts
     results["settings"] = {"sampler": "ODE", "num_inference_steps": cfg.num_inference_steps,
                            "guidance_scale": cfg.guidance_scale, "seed": cfg.seed,
