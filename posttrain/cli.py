@@ -25,6 +25,9 @@ def _stage(args) -> int:
     out = train(load_config(schema, args.config, overrides))
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 wrote the export
         print(f"export: {out}")
+    from posttrain.report import report_after_run
+
+    report_after_run(Path(out).parent)  # the stage folder: its curves as report.md + PNG
     return 0
 
 

@@ -4,8 +4,6 @@ report (``<run_dir>/report.md`` with plots, :mod:`posttrain.report`)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,13 +71,6 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
         data = getattr(stages[0][2], "data", None)  # held-out prompts and guard images of the first stage's data
         results = evaluate(exports, cfg.eval, run / "eval", device=resolve_device(cfg.device), data=data)
         print(results["table"], flush=True)
-    report = None
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank writes the report
-        from posttrain.report import write_report
+    from posttrain.report import report_after_run
 
-        try:
-            report = write_report(run)["report"]
-            print(f"report: {report}", flush=True)
-        except Exception as err:  # noqa: BLE001 - the plots must never cost a finished run its exit status
-            print(f"report: not written: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-    return {"exports": exports, "eval": results, "report": report}
+    return {"exports": exports, "eval": results, "report": report_after_run(run)}

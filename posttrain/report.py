@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +150,17 @@ def write_report(run_dir: str | Path) -> dict:
     path = run / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return {"report": path, "pngs": pngs, "plotted": plotted}
+
+
+def report_after_run(run_dir: str | Path) -> Path | None:
+    """:func:`write_report` at the end of a stage or pipeline, on rank 0 only (under torchrun); a failure
+    is printed to stderr and returns None: plots never cost a finished run its exit status."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    try:
+        report = write_report(run_dir)["report"]
+    except Exception as err:  # noqa: BLE001
+        print(f"report: not written: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return None
+    print(f"report: {report}", flush=True)
+    return report
