@@ -17,6 +17,7 @@ import torch
 
 from posttrain.distributed_grpo import RankLayout
 from posttrain.grpo_update import GRPOAlgorithmConfig
+from posttrain.guard import Guard, group_diversity
 from pretrain.runtime.loop import run_stage
 from posttrain.perf import compile_blocks, merge_lora_blocker, records_uncond, resolve_perf
 from posttrain.stage import PolicyStage
@@ -146,6 +147,13 @@ class GRPORun:
         self.prompts = EpochSampler(len(st.train_set), self.seed)
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
+        self.guard = None
+        if cfg.guard.every:
+            if ranks.distributed:
+                from pretrain.config import ConfigError
+
+                raise ConfigError("guard.every: the guard runs in one process; set guard.every=0 under torchrun")
+            self.guard = Guard(cfg.guard, st, trained=lambda images, prompts, md=None: self.rewards(images, prompts)[0])
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
@@ -157,6 +165,7 @@ class GRPORun:
                  "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape()}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, "signal": self.signal,
+                                                                    **({"reward_guard": self.guard} if self.guard else {}),
                                                                     **self.parts.stateful(), **self.update.stateful()},
                                total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)
         resumed = rt.start(cfg.checkpoint.resume)
@@ -175,6 +184,15 @@ class GRPORun:
             f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation {cfg.train.grad_accum}"
             f" -> {self.opt_per_iter} optimizer steps/iteration over {cfg.grpo.inner_epochs} inner epoch(s)")
         self.logger.write(ranks.describe())
+        if self.guard is not None and self.guard.baseline is None:  # step 0: the baseline, before any update
+            metrics, grid = self.guard.check(self.rt.sampling_model(), 0)
+            self.logger.log(0, metrics, advance=False)
+            self.logger.write(f"guard baseline: {_guard_line(metrics)}")
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the run ended early (the guard's reason), or None."""
+        return self.guard.stopped if self.guard is not None else None
 
     def sampling_model(self) -> torch.nn.Module:
         """The module the rollout samples with (the update's choice: the policy, its LoRA-merged copy
@@ -215,7 +233,10 @@ class GRPORun:
                             dp_group=self.ranks.mesh.dp_group if self.ranks.distributed else None)
         t3 = time.perf_counter()
         self.step = it = it + 1
-        extra = {f"reward/{n}_truncated_frac": f for n, f in truncated.items()}
+        diversity = group_diversity(traj.images, traj.group_ids)  # this rank's groups
+        if self.guard is not None:
+            self.guard.observe(diversity)
+        extra = {"diversity": diversity, **{f"reward/{n}_truncated_frac": f for n, f in truncated.items()}}
         if text_truncated is not None:
             extra["text_encoder_truncated_frac"] = text_truncated
         return {**reward_stats(total, raw), **summarize(stats), **extra, "zero_spread_frac": float(zero.float().mean()),
@@ -225,10 +246,18 @@ class GRPORun:
                 "time_train_s": t3 - t2, "peak_rss_mb": peak_rss_mb()}
 
     def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
-        """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`)."""
+        """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`),
+        and the guard's check every ``guard.every`` (its metrics and its probe's grid)."""
+        metrics, media = {}, []
         if self.cfg.eval.every and step % self.cfg.eval.every == 0:
-            return {}, [self.grid(self.rt.sampling_model().eval(), step)]
-        return {}, []
+            media.append(self.grid(self.rt.sampling_model().eval(), step))
+        if self.guard is not None and self.guard.due(step):
+            metrics, grid = self.guard.check(self.rt.sampling_model(), step)
+            media.append(grid)
+            self.logger.write(f"guard at iteration {step}: {_guard_line(metrics)}")
+            if self.guard.stopped:
+                self.logger.write(self.guard.stopped)
+        return metrics, media
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:
         return self.ranks.grid(self.st, model, self.cfg.eval, self.seed, self.shift, f"heldout_iter_{step:05d}.png")
@@ -242,6 +271,8 @@ class GRPORun:
         """Final held-out grid, ``lora/`` and the merged ``export/``; returns the export folder."""
         self.scorer.close()
         final = self.rt.sampling_model().eval()
+        if self.guard is not None and self.cfg.guard.export == "best":
+            self.logger.write(f"export: the guard's best check, iteration {self.guard.load_best(final)}")
         grid = self.grid(final, self.step)
         self.logger.write(f"grid: {grid}")
         out = self.ranks.export(self.st, final)
@@ -249,6 +280,10 @@ class GRPORun:
         self.logger.log_media(self.step, grid)
         self.logger.close()
         return out
+
+
+def _guard_line(metrics: dict) -> str:
+    return ", ".join(f"{k[len('guard/'):]} {v:.4g}" for k, v in metrics.items() if isinstance(v, float))
 
 
 def train(cfg: GRPOConfig) -> Path:

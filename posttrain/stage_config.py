@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from posttrain.guard import GuardConfig
 from posttrain.perf import PerfConfig
 from posttrain.policy import PolicyConfig
 from pretrain.run_config import RunConfig
@@ -28,12 +29,14 @@ class StageConfig(RunConfig):
     ``eval`` and ``perf``. ``model.pretrained``: an export folder (from `posttrain pretrain` or a
     previous stage) or a diffusers pipeline folder of a known family; the other ``model`` fields and
     ``data.size`` come from it. What a step is: the stage's docs. ``perf``: speed options that leave
-    the numbers unchanged (:class:`posttrain.perf.PerfConfig`)."""
+    the numbers unchanged (:class:`posttrain.perf.PerfConfig`). ``guard``: the reward-hacking guard
+checked while the stage runs (:class:`posttrain.guard.GuardConfig`; off by default)."""
 
     run_dir: str = "runs/stage"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     eval: StageEvalConfig = field(default_factory=StageEvalConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def validate(self, prefix: str = "") -> None:
         if not self.model.pretrained:

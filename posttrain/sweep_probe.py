@@ -70,10 +70,12 @@ def prompt_mean(values: list[float]) -> float:
 
 
 @torch.no_grad()
-def probe(model: torch.nn.Module, stage, cfg: ProbeConfig, rewards: ProbeRewards) -> dict:
-    """Evaluate ``model`` (a :class:`pretrain.backbone.Backbone`, put in eval mode and back) on the held-out
-    set of ``stage`` (a :class:`posttrain.stage.PolicyStage`). Returns ``{"reward": [P] per-prompt means,
-    "guard_reward": [P], "guard_loss": float}`` (lists of floats; NaN rewards stay NaN)."""
+def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> tuple[dict, float, torch.Tensor, list]:
+    """Sample ``model`` (a :class:`pretrain.backbone.Backbone`, put in eval mode and back) on the held-out
+    prompts of ``stage`` (a :class:`posttrain.stage.PolicyStage`) and score the images with each of
+    ``fns`` (``{key: fn(images, prompts, metadata) -> float [N]}``). Returns (``{key: [P] per-prompt
+    means}`` (NaN rewards stay NaN), the held-out flow-matching loss of the export's objective (NaN
+    with ``guard_samples`` 0), the images float32 ``[K * P, 3, H, W]`` in [0, 1], the P prompts)."""
     ecfg = cfg.eval_config()
     prompts = eval_prompts(ecfg, stage.held, stage.train_set)
     was_training = model.training
@@ -83,13 +85,20 @@ def probe(model: torch.nn.Module, stage, cfg: ProbeConfig, rewards: ProbeRewards
         images = paired_samples(model, stage.codec, embeds, stage.null, ecfg, stage.meta["image_size"],
                                 stage.meta["sampling"]["shift"], stage.device)
         k, p = cfg.samples_per_prompt, len(prompts)
-        out = {}
-        for key, entry in (("reward", rewards.reward), ("guard_reward", rewards.guard)):
-            scores = rewards.fns[entry](images, prompts * k, None).float().view(k, p)
-            out[key] = scores.mean(0).tolist()
-        flow = FlowConfig(objective=stage.meta.get("objective", "rectified_flow"))
-        out["guard_loss"] = heldout_loss(model, stage.codec, stage.held, stage.null, flow, seed=cfg.seed,
-                                         num_samples=cfg.guard_samples, device=stage.device) if cfg.guard_samples else float("nan")
+        scores = {key: fn(images, prompts * k, None).float().view(k, p).mean(0).tolist() for key, fn in fns.items()}
+        loss = float("nan")
+        if cfg.guard_samples:
+            flow = FlowConfig(objective=stage.meta.get("objective", "rectified_flow"))
+            loss = heldout_loss(model, stage.codec, stage.held, stage.null, flow, seed=cfg.seed,
+                                num_samples=cfg.guard_samples, device=stage.device)
     finally:
         model.train(was_training)
-    return out
+    return scores, loss, images, prompts
+
+
+def probe(model: torch.nn.Module, stage, cfg: ProbeConfig, rewards: ProbeRewards) -> dict:
+    """A sweep's probe (:func:`probe_scores` with the task's two rewards). Returns ``{"reward": [P]
+    per-prompt means, "guard_reward": [P], "guard_loss": float}``."""
+    fns = {"reward": rewards.fns[rewards.reward], "guard_reward": rewards.fns[rewards.guard]}
+    scores, loss, _, _ = probe_scores(model, stage, cfg, fns)
+    return {**scores, "guard_loss": loss}

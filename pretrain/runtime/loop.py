@@ -8,7 +8,8 @@ export, policy, runtime, resume) and offers ``cfg`` (with ``train.steps`` and ``
 grids written, mirrored to wandb after the step's metrics),
 ``save() -> checkpoint path, or None when the weights were not fit to save`` and ``finish() -> export
 folder``. A final step whose weights cannot be saved stops the run (``RunStopped``) instead of exporting
-them.
+them. A stage may also end early on purpose: when its ``stopped`` attribute holds a reason after a step
+(a guard's decision), that step is the last one (checkpointed) and the stage finishes (exports).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def step_once(stage) -> dict:
     step = stage.step
     last = step == cfg.train.steps
     held_out, media = stage.evaluate(step, last)
+    last = last or bool(stopped(stage))
     metrics.update(held_out)
     stage.logger.log(step, metrics)
     for path in media:
@@ -37,12 +39,17 @@ def step_once(stage) -> dict:
     return metrics
 
 
+def stopped(stage) -> str | None:
+    """The reason ``stage`` ended early (its ``stopped`` attribute), or None."""
+    return getattr(stage, "stopped", None)
+
+
 def run_stage(stage) -> Path:
     """Run ``stage`` from where it stands (0, or a resumed step) to ``cfg.train.steps``; returns its export.
     On an exception the progress bar and wandb run are ended first (wandb marks the run failed), so the
     error is the last thing printed."""
     try:
-        while stage.step < stage.cfg.train.steps:
+        while stage.step < stage.cfg.train.steps and not stopped(stage):
             step_once(stage)
     except BaseException:
         stage.logger.close(exit_code=1)
