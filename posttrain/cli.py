@@ -2,7 +2,8 @@
 stages (`posttrain pipeline CONFIG`), race algorithms on equal wall-clock (`posttrain sweep CONFIG`),
 sample (`posttrain sample MODEL ...`), evaluate (`posttrain eval MODEL [MODEL ...]`), serve rewards
 over HTTP (`posttrain serve-reward CONFIG`), train the learned_clip reward model (`posttrain train-reward
-CONFIG [key=value ...]`), write a run's report with plots (`posttrain report RUN_DIR`).
+CONFIG [key=value ...]`), write a run's report with plots (`posttrain report RUN_DIR`), curate a dataset by
+reward scores and near-duplicates (`posttrain curate CONFIG [key=value ...]`).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """
@@ -112,6 +113,14 @@ def _train_reward(args) -> int:
     return 0
 
 
+def _curate(args) -> int:
+    from posttrain.curate import CurateConfig, curate
+    from pretrain.config import load_config
+
+    curate(load_config(CurateConfig, args.config, args.overrides))  # prints the output folder and report
+    return 0
+
+
 def _report(args) -> int:
     from posttrain.report import write_report
 
@@ -188,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config", help="YAML file (configs/reward/*.yaml)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=5")
     tr.set_defaults(func=_train_reward)
+    cu = sub.add_parser("curate", help="score a dataset with rewards, filter, drop near-duplicates: a folder "
+                        "dataset and a report")
+    cu.add_argument("config", help="YAML file (configs/curate/*.yaml)")
+    cu.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dedup.max_distance=2 overwrite=true")
+    cu.set_defaults(func=_curate)
     rp = sub.add_parser("report", help="report.md with PNG curves of every stage, the evaluation and its grids side by side")
     rp.add_argument("run_dir", help="a pipeline run folder (stage subfolders, eval/) or one stage's folder")
     rp.set_defaults(func=_report)
