@@ -26,6 +26,7 @@ from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
 from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 from pretrain.runtime.loop import run_stage
+from posttrain.guard import Guard
 from posttrain.perf import PerfConfig, compile_blocks
 from posttrain.policy import Policy
 from posttrain.stage import PolicyStage, StageRanks
@@ -259,6 +260,10 @@ class DPORun:
             self.pairs, self.held_pairs = offline_pairs(cfg, st.encoder, st.meta["image_size"])
             self.pair_sampler = EpochSampler(len(self.pairs), self.seed)
             stateful["pairs"] = self.pair_sampler
+        trained = None if self.rewards is None else (lambda images, prompts, md=None: self.rewards(images, prompts)[0])
+        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained)
+        if self.guard is not None:
+            stateful["reward_guard"] = self.guard
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful, shape=st.policy.shape())
         resumed = rt.start(cfg.checkpoint.resume)
@@ -271,6 +276,13 @@ class DPORun:
                           + (f"; resumed from {resumed}" if resumed else ""))
         if rt.step == 0 and cfg.source == "offline":
             self.logger.log(rt.step, self.heldout_acc(), advance=False)
+        if self.guard is not None:
+            self.guard.start(rt.sampling_model(), self.logger)
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the run ended early (the guard's reason), or None."""
+        return self.guard.stopped if self.guard is not None else None
 
     @property
     def step(self) -> int:
@@ -312,10 +324,15 @@ class DPORun:
         return metrics
 
     def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
-        """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps."""
+        """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps; the
+        guard's check every ``guard.every``."""
+        metrics, media = {}, []
         if self.cfg.source == "offline" and (last or (self.cfg.eval.every and step % self.cfg.eval.every == 0)):
-            return self.heldout_acc(), []
-        return {}, []
+            metrics = self.heldout_acc()
+        if self.guard is not None:
+            checked, media = self.guard.at_step(self.rt.sampling_model(), step, self.logger)
+            metrics.update(checked)
+        return metrics, media
 
     def save(self) -> Path | None:
         return self.rt.save()
@@ -323,6 +340,8 @@ class DPORun:
     def finish(self) -> Path:
         st = self.st
         final = self.rt.sampling_model().eval()
+        if self.guard is not None:
+            self.guard.finish(final, self.logger)
         grid = self.ranks.grid(st, final, self.cfg.eval, self.seed, st.meta["sampling"]["shift"],
                                f"heldout_step_{self.rt.step:06d}.png")
         self.logger.write(f"grid: {grid}")

@@ -147,13 +147,8 @@ class GRPORun:
         self.prompts = EpochSampler(len(st.train_set), self.seed)
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
-        self.guard = None
-        if cfg.guard.every:
-            if ranks.distributed:
-                from pretrain.config import ConfigError
-
-                raise ConfigError("guard.every: the guard runs in one process; set guard.every=0 under torchrun")
-            self.guard = Guard(cfg.guard, st, trained=lambda images, prompts, md=None: self.rewards(images, prompts)[0])
+        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed,
+                                     trained=lambda images, prompts, md=None: self.rewards(images, prompts)[0])
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
@@ -184,10 +179,8 @@ class GRPORun:
             f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation {cfg.train.grad_accum}"
             f" -> {self.opt_per_iter} optimizer steps/iteration over {cfg.grpo.inner_epochs} inner epoch(s)")
         self.logger.write(ranks.describe())
-        if self.guard is not None and self.guard.baseline is None:  # step 0: the baseline, before any update
-            metrics, grid = self.guard.check(self.rt.sampling_model(), 0)
-            self.logger.log(0, metrics, advance=False)
-            self.logger.write(f"guard baseline: {_guard_line(metrics)}")
+        if self.guard is not None:
+            self.guard.start(self.rt.sampling_model(), self.logger)
 
     @property
     def stopped(self) -> str | None:
@@ -251,12 +244,9 @@ class GRPORun:
         metrics, media = {}, []
         if self.cfg.eval.every and step % self.cfg.eval.every == 0:
             media.append(self.grid(self.rt.sampling_model().eval(), step))
-        if self.guard is not None and self.guard.due(step):
-            metrics, grid = self.guard.check(self.rt.sampling_model(), step)
-            media.append(grid)
-            self.logger.write(f"guard at iteration {step}: {_guard_line(metrics)}")
-            if self.guard.stopped:
-                self.logger.write(self.guard.stopped)
+        if self.guard is not None:
+            metrics, grids = self.guard.at_step(self.rt.sampling_model(), step, self.logger)
+            media += grids
         return metrics, media
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:
@@ -271,8 +261,8 @@ class GRPORun:
         """Final held-out grid, ``lora/`` and the merged ``export/``; returns the export folder."""
         self.scorer.close()
         final = self.rt.sampling_model().eval()
-        if self.guard is not None and self.cfg.guard.export == "best":
-            self.logger.write(f"export: the guard's best check, iteration {self.guard.load_best(final)}")
+        if self.guard is not None:
+            self.guard.finish(final, self.logger)
         grid = self.grid(final, self.step)
         self.logger.write(f"grid: {grid}")
         out = self.ranks.export(self.st, final)
@@ -280,10 +270,6 @@ class GRPORun:
         self.logger.log_media(self.step, grid)
         self.logger.close()
         return out
-
-
-def _guard_line(metrics: dict) -> str:
-    return ", ".join(f"{k[len('guard/'):]} {v:.4g}" for k, v in metrics.items() if isinstance(v, float))
 
 
 def train(cfg: GRPOConfig) -> Path:

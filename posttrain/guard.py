@@ -58,7 +58,7 @@ class GuardConfig:
     loss_samples: int = 64
     stop: bool = False
     worse_by: dict[str, float] = field(default_factory=dict)
-    default_worse_by: float = 0.2
+    default_worse_by: float = 0.1
     checks: int = 2
     min_diversity: float = 0.0
     export: str = "final"
@@ -140,6 +140,42 @@ class Guard:
         self.best: dict | None = None  # {"step", "trained", values}
         self.diversity: list[float] = []  # since the previous check
         self.stopped: str | None = None
+
+    @classmethod
+    def for_stage(cls, cfg: GuardConfig, stage, distributed: bool, trained: Callable | None) -> "Guard | None":
+        """The guard of a stage run, or None when ``cfg.every`` is 0. ``ConfigError`` naming
+        ``guard.every`` under torchrun (the guard probes in one process)."""
+        if not cfg.every:
+            return None
+        if distributed:
+            from pretrain.config import ConfigError
+
+            raise ConfigError("guard.every: the guard runs in one process; set guard.every=0 under torchrun")
+        return cls(cfg, stage, trained)
+
+    def start(self, model: torch.nn.Module, logger) -> None:
+        """The baseline check at step 0, before any update (nothing when resumed: the baseline is in the
+        checkpoint); logged as step 0."""
+        if self.baseline is None:
+            metrics, _ = self.check(model, 0)
+            logger.log(0, metrics, advance=False)
+            logger.write(f"guard baseline: {describe(metrics)}")
+
+    def at_step(self, model: torch.nn.Module, step: int, logger) -> tuple[dict, list[Path]]:
+        """The check due at ``step`` (none: ``({}, [])``): its metrics and its probe's grid; logs the
+        check and, when the run must stop, the reason."""
+        if not self.due(step):
+            return {}, []
+        metrics, grid = self.check(model, step)
+        logger.write(f"guard at step {step}: {describe(metrics)}")
+        if self.stopped:
+            logger.write(self.stopped)
+        return metrics, [grid]
+
+    def finish(self, model: torch.nn.Module, logger) -> None:
+        """With ``export: best``, load the best check's weights into ``model`` (what the stage exports)."""
+        if self.cfg.export == "best":
+            logger.write(f"export: the guard's best check, step {self.load_best(model)}")
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.every) and step % self.cfg.every == 0
@@ -231,6 +267,12 @@ class Guard:
         saved = json.loads(state["json"])
         self.baseline, self.streak, self.best = saved["baseline"], saved["streak"], saved["best"]
         self.diversity, self.stopped = saved["diversity"], saved["stopped"]
+
+
+def describe(metrics: dict) -> str:
+    """A check's metrics as one log line."""
+    return ", ".join(f"{k[len('guard/'):]} {v:.4g}" if isinstance(v, float) else f"{k[len('guard/'):]} {v}"
+                     for k, v in metrics.items())
 
 
 def trainable_state(trained: torch.nn.Module, source: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -40,12 +40,12 @@ def _guard(tmp_path, trained=True, **cfg):
 def test_a_check_fails_when_the_reward_rises_and_a_guard_worsens(tmp_path):
     g = _guard(tmp_path)
     assert g.failures({LOSS: 0.26}, -0.9, 0.4) == [
-        "held-out flow-matching loss 0.2 -> 0.26 (worse by 30% > 20%; trained reward -1 -> -0.9)"]
-    assert g.failures({LOSS: 0.23}, -0.9, 0.4) == []  # 15 % worse: within the threshold
+        "held-out flow-matching loss 0.2 -> 0.26 (worse by 30% > 10%; trained reward -1 -> -0.9)"]
+    assert g.failures({LOSS: 0.215}, -0.9, 0.4) == []  # 7.5 % worse: within the threshold
     assert g.failures({LOSS: 0.26}, -1.1, 0.4) == []  # the trained reward did not rise: not hacking
     assert _guard(tmp_path, worse_by={LOSS: 0.5}).failures({LOSS: 0.26}, -0.9, 0.4) == []
     assert _guard(tmp_path, trained=False).failures({LOSS: 0.26}, float("nan"), 0.4)[0].startswith(
-        "held-out flow-matching loss 0.2 -> 0.26 (worse by 30% > 20%)")  # no trained reward: the guard alone
+        "held-out flow-matching loss 0.2 -> 0.26 (worse by 30% > 10%)")  # no trained reward: the guard alone
     assert _guard(tmp_path, min_diversity=0.05).failures({LOSS: 0.2}, -1.0, 0.01) == [
         "within-group diversity 0.01 < min_diversity 0.05"]
 
@@ -105,3 +105,14 @@ def test_export_best_is_the_check_the_guard_chose(tiny_export, tmp_path):
     ckpt = torch.load(tmp_path / "best.pt", weights_only=False)["model"]  # the checkpoint of that iteration
     assert all(torch.equal(ckpt[k.replace("lora_A.", "lora_A.default.").replace("lora_B.", "lora_B.default.")], v)
                for k, v in lora.items())
+
+
+def test_online_dpo_runs_the_same_guard(tiny_export, tmp_path):
+    from posttrain.dpo import train as dpo_train
+    from tests.conftest import dpo_config
+
+    dpo_train(dpo_config(tmp_path, tiny_export, "guard.every=5", *PROBE))  # 5 steps
+    checks = [r for r in read_metrics(tmp_path / "dpo/metrics.jsonl") if "guard/loss" in r]
+    assert [r["step"] for r in checks] == [0, 5]
+    assert all(math.isfinite(r["guard/loss"]) and math.isfinite(r["guard/trained"]) for r in checks)
+    assert (tmp_path / "dpo/samples/guard_step_00005.png").is_file()
