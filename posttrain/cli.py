@@ -1,4 +1,4 @@
-"""The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo CONFIG [key=value ...]`), chain
+"""The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo|midtrain CONFIG [key=value ...]`), chain
 stages (`posttrain pipeline CONFIG`), race algorithms on equal wall-clock (`posttrain sweep CONFIG`),
 sample (`posttrain sample MODEL ...`), evaluate (`posttrain eval MODEL [MODEL ...]`), serve rewards
 over HTTP (`posttrain serve-reward CONFIG`), train the learned_clip reward model (`posttrain train-reward
@@ -18,17 +18,20 @@ from pathlib import Path
 
 
 def _stage(args) -> int:
-    from posttrain.stages import get_stage
+    from posttrain.stages import get_stage, has_checkpoints
     from pretrain.config import load_config
 
     schema, train = get_stage(args.command)
-    overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
-    out = train(load_config(schema, args.config, overrides))
+    overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume and has_checkpoints(schema) else [])
+    cfg = load_config(schema, args.config, overrides)
+    out = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 wrote the export
         print(f"export: {out}")
-    from posttrain.report import report_after_run
+    folder = Path(cfg.run_dir) / args.command
+    if (folder / "metrics.jsonl").is_file():  # a training stage: its curves as report.md + PNG
+        from posttrain.report import report_after_run
 
-    report_after_run(Path(out).parent)  # the stage folder: its curves as report.md + PNG
+        report_after_run(folder)
     return 0
 
 
@@ -113,14 +116,6 @@ def _train_reward(args) -> int:
     return 0
 
 
-def _curate(args) -> int:
-    from posttrain.curate import CurateConfig, curate
-    from pretrain.config import load_config
-
-    curate(load_config(CurateConfig, args.config, args.overrides))  # prints the output folder and report
-    return 0
-
-
 def _report(args) -> int:
     from posttrain.report import write_report
 
@@ -144,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     from posttrain.stages import STAGES
 
     helps = {"pretrain": "flow-matching pretraining", "grpo": "Flow-GRPO post-training",
-             "dpo": "Diffusion-DPO post-training"}
+             "dpo": "Diffusion-DPO post-training", "midtrain": "supervised flow-matching fine-tuning of an export",
+             "curate": "score a dataset with rewards, filter, drop near-duplicates (a folder dataset and a report)"}
     for name in [*STAGES, "pipeline"]:
         st = sub.add_parser(name, help=helps.get(name, "chain stages, then evaluate") + " from a YAML config")
         st.add_argument("config")
@@ -197,11 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config", help="YAML file (configs/reward/*.yaml)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=5")
     tr.set_defaults(func=_train_reward)
-    cu = sub.add_parser("curate", help="score a dataset with rewards, filter, drop near-duplicates: a folder "
-                        "dataset and a report")
-    cu.add_argument("config", help="YAML file (configs/curate/*.yaml)")
-    cu.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dedup.max_distance=2 overwrite=true")
-    cu.set_defaults(func=_curate)
     rp = sub.add_parser("report", help="report.md with PNG curves of every stage, the evaluation and its grids side by side")
     rp.add_argument("run_dir", help="a pipeline run folder (stage subfolders, eval/) or one stage's folder")
     rp.set_defaults(func=_report)

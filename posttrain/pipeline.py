@@ -8,26 +8,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.evaluate import EvalConfig, evaluate
-from posttrain.stages import get_stage
+from posttrain.stages import DATA_STAGES, get_stage, has_checkpoints
 from pretrain.config import ConfigError, load_config, save_config
 
 
 @dataclass
 class StageConfig:
-    """``command``: a registered stage ("pretrain", "grpo"); ``config``: its YAML file (path relative
-    to the working directory); ``overrides``: dotted overrides applied after the file."""
+    """``command``: a registered stage ("pretrain", "grpo", "curate", ...); ``config``: its YAML file (path
+    relative to the working directory); ``overrides``: dotted overrides applied after the file;
+    ``data_from``: an earlier data stage (e.g. "curate") whose folder dataset (``<run_dir>/<that>/data``)
+    this stage trains on (``data.source=folder``, ``data.path`` set when the stage starts)."""
 
     command: str = "pretrain"
     config: str = ""
     overrides: list[str] = field(default_factory=list)
+    data_from: str | None = None
 
 
 @dataclass
 class PipelineConfig:
     """Stages run in order under ``run_dir`` (stage outputs in ``<run_dir>/<command>/``, so a stage's own
-    ``run_dir`` is replaced); stage i > 0 gets ``model.pretrained`` = stage i - 1's export. Every stage
-    config is loaded and validated before the first one trains. ``eval`` runs on all exports at the
-    end, on the first stage's data (held-out prompts and guard images)."""
+    ``run_dir`` is replaced); a stage gets ``model.pretrained`` = the export of the last model stage before
+    it (data stages such as ``curate`` write a dataset, not a model, and pass the export through). Every
+    stage config is loaded and validated before the first one trains (a ``data_from`` stage with its own
+    data block; its folder is read when it starts). ``eval`` runs on the model stages' exports at the end,
+    on the first stage's data (held-out prompts and guard images)."""
 
     run_dir: str = "runs/pipeline"
     stages: list[StageConfig] = field(default_factory=list)
@@ -36,39 +41,74 @@ class PipelineConfig:
     device: str = "auto"
 
 
-def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
-    """Run every stage, then the evaluation, then the run report (a failure there is printed, not raised).
-    Returns {"exports": [...], "eval": results or None, "report": report.md path or None}."""
-    from pretrain.runtime.runtime import resolve_device
+@dataclass
+class PlannedStage:
+    """One validated stage of a pipeline: its entry, schema, train function, the overrides it runs with
+    (``run_dir``, ``model.pretrained``, resume, and ``data_from``'s folder) and its config as validated."""
 
+    stage: StageConfig
+    schema: type
+    train: object
+    overrides: list[str]
+    config: object
+
+    def load(self):
+        """The config the stage runs with (read when it starts, so a ``data_from`` folder exists)."""
+        return load_config(self.schema, self.stage.config, self.overrides) if self.stage.data_from else self.config
+
+
+def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
+    """Load and validate every stage of ``cfg`` before anything trains; ``ConfigError`` naming
+    ``stages.<i>`` and the key."""
     if not cfg.stages:
         raise ConfigError("pipeline: 'stages' is empty")
-    run = Path(cfg.run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run / "pipeline.yaml")
-    stages = []  # load and validate every stage up front, before any training
+    run, out, source = Path(cfg.run_dir), [], None
     for i, stage in enumerate(cfg.stages):
         try:
             schema, train = get_stage(stage.command)
         except ValueError as e:
             raise ConfigError(f"pipeline: stages.{i}.command: {e}") from e
         overrides = [*stage.overrides, f"run_dir={cfg.run_dir}"]
-        if i > 0:
-            overrides.append(f"model.pretrained={run / cfg.stages[i - 1].command / 'export'}")
-        if resume:
+        if source is not None:
+            overrides.append(f"model.pretrained={run / source / 'export'}")
+        if resume and has_checkpoints(schema):
             overrides.append("checkpoint.resume=true")
+        data = []
+        if stage.data_from is not None:
+            earlier = [s.command for s in cfg.stages[:i]]
+            if stage.data_from not in earlier or stage.data_from not in DATA_STAGES:
+                raise ConfigError(f"pipeline: stages.{i}.data_from: '{stage.data_from}' is not an earlier data stage "
+                                  f"(earlier: {earlier}; data stages: {sorted(DATA_STAGES)})")
+            data = ["data.source=folder", f"data.path={run / stage.data_from / 'data'}"]
         try:
-            stages.append((stage, train, load_config(schema, stage.config, overrides)))
+            out.append(PlannedStage(stage, schema, train, overrides + data, load_config(schema, stage.config, overrides)))
         except ConfigError as e:
             raise ConfigError(f"pipeline: stages.{i} ({stage.command}): {e}") from e
+        if stage.command not in DATA_STAGES:
+            source = stage.command
+    return out
+
+
+def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
+    """Run every stage, then the evaluation of the model stages' exports, then the run report (a failure
+    there is printed, not raised). Returns {"exports": [...], "eval": results or None, "report": report.md
+    path or None}."""
+    from pretrain.runtime.runtime import resolve_device
+
+    stages = plan(cfg, resume)
+    run = Path(cfg.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run / "pipeline.yaml")
     exports: list[str] = []
-    for i, (stage, train, stage_cfg) in enumerate(stages):
-        print(f"== stage {i}: {stage.command} ({stage.config})", flush=True)
-        exports.append(str(train(stage_cfg)))
+    for i, planned in enumerate(stages):
+        print(f"== stage {i}: {planned.stage.command} ({planned.stage.config})", flush=True)
+        out = str(planned.train(planned.load()))
+        if planned.stage.command not in DATA_STAGES:
+            exports.append(out)
     results = None
     if cfg.evaluate:
         print("== evaluation", flush=True)
-        data = getattr(stages[0][2], "data", None)  # held-out prompts and guard images of the first stage's data
+        data = getattr(stages[0].config, "data", None)  # held-out prompts and guard images of the first stage's data
         results = evaluate(exports, cfg.eval, run / "eval", device=resolve_device(cfg.device), data=data)
         print(results["table"], flush=True)
     from posttrain.report import report_after_run

@@ -1,7 +1,8 @@
 """Registry of trainable stages: command name -> (Config dataclass, train function).
 
 A new algorithm registers one entry here; the CLI and the pipeline runner need no other change.
-Every train function takes its config and returns the export folder it wrote.
+Every train function takes its config and returns the export folder it wrote (a data stage, which
+writes a dataset, returns the export it was given, so a pipeline continues from it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,31 @@ def _dpo():
     return DPOConfig, train
 
 
-STAGES: dict[str, Callable[[], tuple[type, Callable]]] = {"pretrain": _pretrain, "grpo": _grpo, "dpo": _dpo}
+def _midtrain():
+    from posttrain.midtrain import MidtrainConfig, train
+
+    return MidtrainConfig, train
+
+
+def _curate():
+    from posttrain.curate import CurateConfig, curate
+
+    return CurateConfig, curate
+
+
+STAGES: dict[str, Callable[[], tuple[type, Callable]]] = {"pretrain": _pretrain, "grpo": _grpo, "dpo": _dpo,
+                                                          "midtrain": _midtrain, "curate": _curate}
+#: Stages that write a dataset (``<run_dir>/<command>/data``), not a model: in a pipeline the next stage
+#: continues from the export before them, and a later stage reads their data with ``data_from``.
+DATA_STAGES = {"curate"}
+
+
+def has_checkpoints(schema: type) -> bool:
+    """Whether a stage's config has a ``checkpoint`` block (``--resume`` applies); a data stage has none
+    (it reuses an identical earlier output instead)."""
+    from dataclasses import fields
+
+    return any(f.name == "checkpoint" for f in fields(schema))
 
 
 def get_stage(command: str) -> tuple[type, Callable]:
@@ -49,9 +74,15 @@ def _dpo_run():
     return DPORun
 
 
+def _midtrain_run():
+    from posttrain.midtrain import MidtrainRun
+
+    return MidtrainRun
+
+
 #: The post-training stages a sweep can drive step by step: command -> stage-object class
 #: (:mod:`pretrain.runtime.loop`'s protocol, plus ``st`` (:class:`posttrain.stage.PolicyStage`) and ``rt``).
-RUNS: dict[str, Callable[[], type]] = {"grpo": _grpo_run, "dpo": _dpo_run}
+RUNS: dict[str, Callable[[], type]] = {"grpo": _grpo_run, "dpo": _dpo_run, "midtrain": _midtrain_run}
 
 
 def get_run(command: str, key: str = "command") -> type:

@@ -14,6 +14,7 @@ EXTRAS = {  # module -> (pip extra, PyPI package)
     "imageio": ("video", "imageio"),
     "imageio.v2": ("video", "imageio"),
     "datasets": ("data", "datasets"),
+    "imagehash": ("data", "imagehash"),
 }
 
 

@@ -47,3 +47,42 @@ def test_unknown_stage_is_a_config_error(tmp_path, capsys):
     path.write_text(yaml.safe_dump({"run_dir": str(tmp_path), "stages": [{"command": "ppo", "config": "x.yaml"}]}))
     assert main(["pipeline", str(path)]) == 2
     assert "stages.0.command" in capsys.readouterr().err
+
+
+def test_pipeline_curates_then_midtrains_on_the_curated_folder(tmp_path, capsys):
+    import json
+
+    run = tmp_path / "run"
+    cfg = {
+        "run_dir": str(run),
+        "evaluate": False,
+        "stages": [
+            {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml"),
+             "overrides": ["train.steps=4", "eval.every=0"]},
+            {"command": "curate", "config": str(ROOT / "configs/curate/emoji_learned_clip.yaml"),
+             "overrides": ["rewards.learned_clip.weight=0", "rewards.jpeg_compressibility=1.0", "data.limit=64",
+                           "data.size=16"]},
+            {"command": "midtrain", "config": str(ROOT / "configs/midtrain/emoji_tiny.yaml"), "data_from": "curate",
+             "overrides": ["train.steps=2", "data.heldout_fraction=0.3"]},
+        ],
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["pipeline", str(path)]) == 0
+    mid = yaml.safe_load((run / "midtrain/config.yaml").read_text())
+    assert mid["model"]["pretrained"] == str(run / "pretrain/export")  # curate passes the export through
+    assert mid["data"]["source"] == "folder" and mid["data"]["path"] == str(run / "curate/data")
+    kept = [json.loads(line)["caption"] for line in (run / "curate/data/captions.jsonl").read_text().splitlines()]
+    assert 0 < len(kept) <= 32  # the top half of the 64 train emoji, near-duplicates dropped
+    assert (run / "midtrain/export/posttrain.json").is_file() and (run / "curate/report.md").is_file()
+    assert "exports: " + str(run / "pretrain/export") + ", " + str(run / "midtrain/export") in capsys.readouterr().out
+
+
+def test_data_from_must_name_an_earlier_data_stage(tmp_path, capsys):
+    cfg = {"run_dir": str(tmp_path / "run"), "stages": [
+        {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml")},
+        {"command": "midtrain", "config": str(ROOT / "configs/midtrain/emoji_tiny.yaml"), "data_from": "curate"}]}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["pipeline", str(path)]) == 2
+    assert "stages.1.data_from: 'curate' is not an earlier data stage" in capsys.readouterr().err

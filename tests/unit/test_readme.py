@@ -106,16 +106,11 @@ def check_posttrain(where: str, args: list[str]) -> None:
         schema, _ = get_stage(parsed.command)
         load_config(schema, parsed.config, list(parsed.overrides))
     elif parsed.command == "pipeline":
-        from posttrain.pipeline import PipelineConfig
+        from posttrain.pipeline import PipelineConfig, plan
 
         cfg = load_config(PipelineConfig, parsed.config, list(parsed.overrides))
         assert cfg.stages, f"{where}: {parsed.config} has no stages"
-        for i, stage in enumerate(cfg.stages):  # as run_pipeline validates them before training
-            schema, _ = get_stage(stage.command)
-            overrides = [*stage.overrides, f"run_dir={cfg.run_dir}"]
-            if i > 0:
-                overrides.append(f"model.pretrained={Path(cfg.run_dir) / cfg.stages[i - 1].command / 'export'}")
-            load_config(schema, stage.config, overrides)
+        plan(cfg)  # as run_pipeline validates every stage before training
     elif parsed.command == "sweep":
         from posttrain.sweep import SweepConfig, arm_config
 
