@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -187,8 +188,10 @@ class Guard:
 
     def check(self, model: torch.nn.Module, step: int) -> tuple[dict, Path]:
         """Probe ``model`` at ``step`` (0 = the baseline). Returns (metrics ``guard/<name>``,
-        ``guard/trained``, ``guard/diversity``, ``guard/failing``, ``guard/best_step``; the grid of the
-        probe's samples). Sets ``stopped`` (a one-line reason) when the run must stop."""
+        ``guard/trained``, ``guard/diversity``, ``guard/failing``, ``guard/streak``, ``guard/best_step``,
+        ``guard/seconds`` (the check's wall time); the grid of the probe's samples). Sets ``stopped`` (a
+        one-line reason) when the run must stop."""
+        t0 = time.perf_counter()
         fns = dict(self.fns)
         if self.trained is not None:
             fns["trained"] = self.trained
@@ -214,7 +217,8 @@ class Guard:
         grid = save_grid(images[:len(prompts)], prompts, self.stage.run / "samples" / f"guard_step_{step:05d}.png")
         metrics = {f"guard/{k}": v for k, v in values.items()}
         metrics.update({"guard/trained": trained, "guard/diversity": diversity, "guard/failing": len(reasons),
-                        "guard/streak": self.streak, "guard/best_step": self.best["step"]})
+                        "guard/streak": self.streak, "guard/best_step": self.best["step"],
+                        "guard/seconds": time.perf_counter() - t0})
         return metrics, grid
 
     def failures(self, values: dict, trained: float, diversity: float) -> list[str]:
