@@ -90,6 +90,12 @@ class DedupConfig:
     def validate(self, prefix: str = "") -> None:
         if self.method not in DEDUP_METHODS:
             raise ValueError(f"{prefix}method: unknown '{self.method}' (known: {', '.join(DEDUP_METHODS)})")
+        if self.method == "phash":
+            import importlib.util
+
+            if importlib.util.find_spec("imagehash") is None:
+                raise ValueError(f"{prefix}method: 'phash' needs the package imagehash, which is not installed: "
+                                 f"pip install 'posttrain[data]' (or {prefix}method=none)")
         if self.hash_size < 2:
             raise ValueError(f"{prefix}hash_size: must be >= 2, got {self.hash_size}")
         if not 0 <= self.max_distance <= self.hash_size ** 2:

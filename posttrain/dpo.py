@@ -26,7 +26,7 @@ from posttrain.dpo_data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo_errors import flow_errors
 from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 from pretrain.runtime.loop import run_stage
-from posttrain.guard import Guard
+from posttrain.guard import Guard, guard_shape
 from posttrain.perf import PerfConfig, compile_blocks
 from posttrain.policy import Policy
 from posttrain.stage import PolicyStage, StageRanks
@@ -265,7 +265,7 @@ class DPORun:
         if self.guard is not None:
             stateful["reward_guard"] = self.guard
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful, shape=st.policy.shape())
+                               cfg.checkpoint.keep_last, stateful, shape={**st.policy.shape(), **guard_shape(cfg.guard)})
         resumed = rt.start(cfg.checkpoint.resume)
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
         self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),

@@ -17,7 +17,7 @@ import torch
 
 from posttrain.distributed_grpo import RankLayout
 from posttrain.grpo_update import GRPOAlgorithmConfig
-from posttrain.guard import Guard, group_diversity
+from posttrain.guard import Guard, group_diversity, guard_shape
 from pretrain.runtime.loop import run_stage
 from posttrain.perf import compile_blocks, merge_lora_blocker, records_uncond, resolve_perf
 from posttrain.stage import PolicyStage
@@ -157,7 +157,7 @@ class GRPORun:
         shape = {"rollout.group_size": ro.group_size, "rollout.prompts_per_step": ro.prompts_per_step,
                  # they set the optimizer steps per iteration, from which a resume counts iterations
                  "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,
-                 "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape()}
+                 "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape(), **guard_shape(cfg.guard)}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, "signal": self.signal,
                                                                     **({"reward_guard": self.guard} if self.guard else {}),

@@ -77,7 +77,12 @@ class GuardConfig:
             raise ValueError(f"{prefix}checks: must be >= 1, got {self.checks}")
         for name in self.rewards:
             parse_eval_reward(name, f"{prefix}rewards")
-        known = set(self.names())
+        names = self.names()
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"{prefix}rewards: {repeated} appear more than once (a guard is named by its reward; "
+                             f"watch one model per reward name)")
+        known = set(names)
         for name, value in {**self.worse_by, "default": self.default_worse_by}.items():
             if name != "default" and name not in known:
                 raise ValueError(f"{prefix}worse_by: '{name}' is not a guard (known: {sorted(known)})")
@@ -96,6 +101,12 @@ class GuardConfig:
         return ProbeConfig(num_prompts=self.num_prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed,
                            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
                            guard_samples=self.loss_samples if self.loss else 0)
+
+
+def guard_shape(cfg: GuardConfig) -> dict:
+    """The guard's part of a run's shape (what a resume must keep): whether it is on. Its state is part
+    of the checkpoint when it is, and a run it stopped must not resume without it."""
+    return {"guard.every": "on" if cfg.every else "off"}
 
 
 def group_diversity(images: torch.Tensor, group_ids: torch.Tensor, max_side: int = 64) -> float:
@@ -156,7 +167,9 @@ class Guard:
 
     def start(self, model: torch.nn.Module, logger) -> None:
         """The baseline check at step 0, before any update (nothing when resumed: the baseline is in the
-        checkpoint); logged as step 0."""
+        checkpoint; a run the guard stopped says so and stays stopped); logged as step 0."""
+        if self.stopped:
+            logger.write(f"{self.stopped} (resumed: the run stays stopped; nothing more to train)")
         if self.baseline is None:
             metrics, _ = self.check(model, 0)
             logger.log(0, metrics, advance=False)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.guard import Guard
+from posttrain.guard import Guard, guard_shape
 from posttrain.perf import PerfConfig, compile_blocks
 from posttrain.stage import PolicyStage, StageRanks
 from posttrain.stage_config import StageConfig, StageEvalConfig
@@ -137,7 +137,7 @@ class MidtrainRun:
         self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=None)
         stateful = {"sampler": self.sampler, **({"reward_guard": self.guard} if self.guard else {})}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful, shape=st.policy.shape())
+                               cfg.checkpoint.keep_last, stateful, shape={**st.policy.shape(), **guard_shape(cfg.guard)})
         resumed = rt.start(cfg.checkpoint.resume)
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
         self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "heldout_loss"),

@@ -28,8 +28,9 @@ class StageConfig:
 @dataclass
 class PipelineConfig:
     """Stages run in order under ``run_dir`` (stage outputs in ``<run_dir>/<command>/``, so a stage's own
-    ``run_dir`` is replaced); a stage gets ``model.pretrained`` = the export of the last model stage before
-    it (data stages such as ``curate`` write a dataset, not a model, and pass the export through). Every
+    ``run_dir`` is replaced, and each command runs once); a stage gets ``model.pretrained`` = the export
+    of the last model stage before it (data stages such as ``curate`` write a dataset, not a model, and
+    pass the export through: a data stage first passes its own ``model.pretrained``). Every
     stage config is loaded and validated before the first one trains (a ``data_from`` stage with its own
     data block; its folder is read when it starts). ``eval`` runs on the model stages' exports at the end,
     on the first stage's data (held-out prompts and guard images)."""
@@ -62,7 +63,12 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
     ``stages.<i>`` and the key."""
     if not cfg.stages:
         raise ConfigError("pipeline: 'stages' is empty")
-    run, out, source = Path(cfg.run_dir), [], None
+    commands = [s.command for s in cfg.stages]
+    for i, command in enumerate(commands):
+        if command in commands[:i]:
+            raise ConfigError(f"pipeline: stages.{i}.command: '{command}' appears twice; every stage writes "
+                              f"<run_dir>/<command>/, so one pipeline runs each command once")
+    run, out, source = Path(cfg.run_dir), [], None  # source: the export the next stage starts from
     for i, stage in enumerate(cfg.stages):
         try:
             schema, train = get_stage(stage.command)
@@ -70,7 +76,7 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
             raise ConfigError(f"pipeline: stages.{i}.command: {e}") from e
         overrides = [*stage.overrides, f"run_dir={cfg.run_dir}"]
         if source is not None:
-            overrides.append(f"model.pretrained={run / source / 'export'}")
+            overrides.append(f"model.pretrained={source}")
         if resume and has_checkpoints(schema):
             overrides.append("checkpoint.resume=true")
         data = []
@@ -81,11 +87,14 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
                                   f"(earlier: {earlier}; data stages: {sorted(DATA_STAGES)})")
             data = ["data.source=folder", f"data.path={run / stage.data_from / 'data'}"]
         try:
-            out.append(PlannedStage(stage, schema, train, overrides + data, load_config(schema, stage.config, overrides)))
+            loaded = load_config(schema, stage.config, overrides)
         except ConfigError as e:
             raise ConfigError(f"pipeline: stages.{i} ({stage.command}): {e}") from e
+        out.append(PlannedStage(stage, schema, train, overrides + data, loaded))
         if stage.command not in DATA_STAGES:
-            source = stage.command
+            source = run / stage.command / "export"
+        elif source is None and getattr(getattr(loaded, "model", None), "pretrained", None):
+            source = loaded.model.pretrained  # a data stage first: the export it passes through
     return out
 
 

@@ -51,7 +51,9 @@ def test_a_check_fails_when_the_reward_rises_and_a_guard_worsens(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [({"export": "best"}, "every"), ({"every": 1, "worse_by": {"judge": 0.1}},
-                                                                         "worse_by"), ({"every": -1}, "every")])
+                                                                         "worse_by"), ({"every": -1}, "every"),
+                                           ({"every": 1, "rewards": ["jpeg_compressibility", "jpeg_compressibility"]},
+                                            "rewards")])
 def test_guard_config_errors_name_the_key(override, key):
     with pytest.raises(ValueError, match=rf"^guard\.{key}: "):
         GuardConfig(**override).validate("guard.")
@@ -116,3 +118,11 @@ def test_online_dpo_runs_the_same_guard(tiny_export, tmp_path):
     assert [r["step"] for r in checks] == [0, 5]
     assert all(math.isfinite(r["guard/loss"]) and math.isfinite(r["guard/trained"]) for r in checks)
     assert (tmp_path / "dpo/samples/guard_step_00005.png").is_file()
+
+
+def test_switching_the_guard_on_at_resume_is_refused_naming_it(tiny_export, tmp_path):
+    from pretrain.config import ConfigError
+
+    grpo_train(grpo_config(tmp_path, tiny_export, "train.steps=1"))
+    with pytest.raises(ConfigError, match=r"^guard\.every: the checkpoint .* was written with 'off', this run has 'on'"):
+        grpo_train(grpo_config(tmp_path, tiny_export, "train.steps=2", "guard.every=1", "checkpoint.resume=true"))

@@ -86,3 +86,23 @@ def test_data_from_must_name_an_earlier_data_stage(tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg))
     assert main(["pipeline", str(path)]) == 2
     assert "stages.1.data_from: 'curate' is not an earlier data stage" in capsys.readouterr().err
+
+
+def test_a_command_twice_is_refused_and_a_leading_data_stage_passes_its_export(tmp_path, capsys):
+    from posttrain.pipeline import PipelineConfig, plan
+    from pretrain.config import load_config
+
+    twice = {"run_dir": str(tmp_path / "run"), "stages": [
+        {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml")},
+        {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml")}]}
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump(twice))
+    assert main(["pipeline", str(path)]) == 2
+    assert "stages.1.command: 'pretrain' appears twice" in capsys.readouterr().err
+    lead = {"run_dir": str(tmp_path / "run"), "stages": [
+        {"command": "curate", "config": str(ROOT / "configs/curate/emoji_learned_clip.yaml"),
+         "overrides": ["model.pretrained=/some/export"]},
+        {"command": "midtrain", "config": str(ROOT / "configs/midtrain/emoji_tiny.yaml"), "data_from": "curate"}]}
+    path.write_text(yaml.safe_dump(lead))
+    planned = plan(load_config(PipelineConfig, path))
+    assert "model.pretrained=/some/export" in planned[1].overrides
