@@ -260,8 +260,7 @@ class DPORun:
             self.pairs, self.held_pairs = offline_pairs(cfg, st.encoder, st.meta["image_size"])
             self.pair_sampler = EpochSampler(len(self.pairs), self.seed)
             stateful["pairs"] = self.pair_sampler
-        trained = None if self.rewards is None else (lambda images, prompts, md=None: self.rewards(images, prompts)[0])
-        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained)
+        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
         if self.guard is not None:
             stateful["reward_guard"] = self.guard
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
@@ -278,11 +277,6 @@ class DPORun:
             self.logger.log(rt.step, self.heldout_acc(), advance=False)
         if self.guard is not None:
             self.guard.start(rt.sampling_model(), self.logger)
-
-    @property
-    def stopped(self) -> str | None:
-        """Why the run ended early (the guard's reason), or None."""
-        return self.guard.stopped if self.guard is not None else None
 
     @property
     def step(self) -> int:

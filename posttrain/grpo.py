@@ -147,8 +147,7 @@ class GRPORun:
         self.prompts = EpochSampler(len(st.train_set), self.seed)
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
-        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed,
-                                     trained=lambda images, prompts, md=None: self.rewards(images, prompts)[0])
+        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
@@ -181,11 +180,6 @@ class GRPORun:
         self.logger.write(ranks.describe())
         if self.guard is not None:
             self.guard.start(self.rt.sampling_model(), self.logger)
-
-    @property
-    def stopped(self) -> str | None:
-        """Why the run ended early (the guard's reason), or None."""
-        return self.guard.stopped if self.guard is not None else None
 
     def sampling_model(self) -> torch.nn.Module:
         """The module the rollout samples with (the update's choice: the policy, its LoRA-merged copy

@@ -135,8 +135,9 @@ def group_diversity(images: torch.Tensor, group_ids: torch.Tensor, max_side: int
 
 class Guard:
     """The guard of one stage run (see the module docstring). ``stage``: its
-    :class:`posttrain.stage.PolicyStage`; ``trained``: ``fn(images, prompts, metadata) -> float [N]``,
-    the stage's own reward (None: no trained reward, e.g. offline DPO; a guard then fails on its own).
+    :class:`posttrain.stage.PolicyStage`; ``trained``: the stage's own reward
+    (:class:`rewards.base.CompositeReward`, ``(images, prompts) -> (total float [N], raw)``; None: no
+    trained reward, e.g. offline DPO or midtrain, and a guard then fails on its own).
     Checkpointed with the run (baseline, streak, best check), so a resumed run decides as the
     uninterrupted one would."""
 
@@ -207,7 +208,7 @@ class Guard:
         t0 = time.perf_counter()
         fns = dict(self.fns)
         if self.trained is not None:
-            fns["trained"] = self.trained
+            fns["trained"] = lambda images, prompts, metadata=None: self.trained(images, prompts)[0]
         scores, loss, images, prompts = probe_scores(model, self.stage, self.cfg.probe_config(), fns)
         values = {name: prompt_mean(scores[name]) for name in self.fns}
         if self.cfg.loss:

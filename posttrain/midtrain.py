@@ -154,11 +154,6 @@ class MidtrainRun:
             self.guard.start(rt.sampling_model(), self.logger)
 
     @property
-    def stopped(self) -> str | None:
-        """Why the run ended early (the guard's reason), or None."""
-        return self.guard.stopped if self.guard is not None else None
-
-    @property
     def step(self) -> int:
         return self.rt.step
 

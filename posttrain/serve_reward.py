@@ -29,8 +29,6 @@ Without a token the server listens on loopback addresses only (``ConfigError`` o
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hmac
 import io
 import ipaddress
@@ -52,6 +50,7 @@ import yaml
 
 from pretrain.config import ConfigError
 from rewards.base import CompositeReward
+from rewards.png import b64_bytes
 from rewards.served import TOKEN_ENV, read_token
 
 log = logging.getLogger(__name__)
@@ -137,14 +136,13 @@ def read_png_header(data, where: str, max_pixels: int) -> tuple[bytes, tuple[int
     """A base64 PNG string (a ``data:...;base64,`` prefix is accepted) -> (the PNG bytes, its
     ``(width, height)`` from the header). ``BadRequest`` naming ``where``: 400 when ``data`` is not a
     string, not base64 or not a PNG; 413 when ``width x height`` is over ``max_pixels``."""
-    if not isinstance(data, str):
-        raise BadRequest(f"{where}: expected a base64 string, got {type(data).__name__}")
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = b64_bytes(data, where)
+    except ValueError as e:
+        raise BadRequest(str(e)) from e
+    try:
         w, h = png_size(raw)
-    except (binascii.Error, ValueError) as e:
+    except ValueError as e:
         raise BadRequest(f"{where}: not a base64-encoded PNG ({e})") from e
     if w * h > max_pixels:
         raise BadRequest(f"{where}: {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed per image "

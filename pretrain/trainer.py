@@ -173,13 +173,13 @@ class PretrainRun:
                      + (f"; resumed from {resumed}" if resumed else ""))
         logger.write(batch_arithmetic(cfg.train, len(self.train_set), ranks.dp_size) + f"; ranks: {ranks.layout()}")
         if rt.step == 0:
-            logger.log(0, {"heldout_loss": self.guard(model)}, advance=False)
+            logger.log(0, {"heldout_loss": self.heldout(model)}, advance=False)
 
     @property
     def step(self) -> int:
         return self.rt.step
 
-    def guard(self, model) -> float:
+    def heldout(self, model) -> float:
         """The held-out flow-matching loss on fixed draws."""
         cfg = self.cfg
         return heldout_loss(model, self.codec, self.held, self.null, cfg.flow, seed=cfg.train.seed,
@@ -198,7 +198,7 @@ class PretrainRun:
         e, out, media = self.cfg.eval, {}, []
         sampling = self.rt.sampling_model().eval()
         if e.every and (step % e.every == 0 or last):
-            out["heldout_loss"] = self.guard(sampling)
+            out["heldout_loss"] = self.heldout(sampling)
         if e.grid_every and (step % e.grid_every == 0 or last):
             grid = self.ranks.write_on_main(lambda root: write_grid(
                 sampling, self.codec, self.held, self.null, num_prompts=e.grid_prompts, seed=self.cfg.train.seed,

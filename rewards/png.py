@@ -35,20 +35,29 @@ def encode_png_b64(images: torch.Tensor) -> list[str]:
     return out
 
 
+def b64_bytes(data, where: str = "image") -> bytes:
+    """The bytes of a base64 string (a ``data:...;base64,`` prefix is accepted). ``ValueError`` naming
+    ``where`` when ``data`` is not a string or not valid base64."""
+    if not isinstance(data, str):
+        raise ValueError(f"{where}: expected a base64 string, got {type(data).__name__}")
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"{where}: not a base64-encoded PNG ({e})") from e
+
+
 def decode_png_b64(data: str, where: str = "image") -> torch.Tensor:
     """A base64 PNG (or any image Pillow reads; a ``data:...;base64,`` prefix is accepted) ->
     float32 ``[3, H, W]`` in [0, 1] (converted to RGB). ``ValueError`` naming ``where`` when ``data``
     is not a string, not base64, or not a readable image."""
     from PIL import Image, UnidentifiedImageError
 
-    if not isinstance(data, str):
-        raise ValueError(f"{where}: expected a base64 string, got {type(data).__name__}")
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
+    raw = b64_bytes(data, where)
     try:
-        raw = base64.b64decode(data, validate=True)
         with Image.open(io.BytesIO(raw)) as im:
             arr = np.asarray(im.convert("RGB"))
-    except (binascii.Error, UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError) as e:
         raise ValueError(f"{where}: not a base64-encoded PNG ({e})") from e
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0

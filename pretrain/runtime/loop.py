@@ -8,8 +8,8 @@ export, policy, runtime, resume) and offers ``cfg`` (with ``train.steps`` and ``
 grids written, mirrored to wandb after the step's metrics),
 ``save() -> checkpoint path, or None when the weights were not fit to save`` and ``finish() -> export
 folder``. A final step whose weights cannot be saved stops the run (``RunStopped``) instead of exporting
-them. A stage may also end early on purpose: when its ``stopped`` attribute holds a reason after a step
-(a guard's decision), that step is the last one (checkpointed) and the stage finishes (exports).
+them. A stage may also end early on purpose: when its ``guard`` (optional; None when off) has a
+``stopped`` reason after a step, that step is the last one (checkpointed) and the stage finishes (exports).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def step_once(stage) -> dict:
 
 
 def stopped(stage) -> str | None:
-    """The reason ``stage`` ended early (its ``stopped`` attribute), or None."""
-    return getattr(stage, "stopped", None)
+    """The reason ``stage`` ended early (its guard's ``stopped``), or None."""
+    guard = getattr(stage, "guard", None)
+    return guard.stopped if guard is not None else None
 
 
 def run_stage(stage) -> Path:
