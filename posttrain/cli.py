@@ -3,7 +3,9 @@ stages (`posttrain pipeline CONFIG`), race algorithms on equal wall-clock (`post
 sample (`posttrain sample MODEL ...`), evaluate (`posttrain eval MODEL [MODEL ...]`), serve rewards
 over HTTP (`posttrain serve-reward CONFIG`), train the learned_clip reward model (`posttrain train-reward
 CONFIG [key=value ...]`), write a run's report with plots (`posttrain report RUN_DIR`), curate a dataset by
-reward scores and near-duplicates (`posttrain curate CONFIG [key=value ...]`).
+reward scores and near-duplicates (`posttrain curate CONFIG [key=value ...]`), check a cluster's ranks before
+a job (`torchrun --nproc_per_node N -m posttrain doctor [options]`: wrong results, stragglers, slow or failing
+links; exit 1 when anything is flagged).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """
@@ -126,6 +128,12 @@ def _report(args) -> int:
     return 0
 
 
+def _doctor(args) -> int:
+    from pretrain.parallel.doctor import run_doctor
+
+    return run_doctor(args)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -196,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="report.md with PNG curves of every stage, the evaluation and its grids side by side")
     rp.add_argument("run_dir", help="a pipeline run folder (stage subfolders, eval/) or one stage's folder")
     rp.set_defaults(func=_report)
+    from pretrain.parallel.doctor_report import add_arguments as doctor_arguments
+
+    dr = sub.add_parser("doctor", help="pre-flight check of the ranks under torchrun: burn-in hashes and times, "
+                        "collective and pairwise bandwidth; a table, doctor.json and exclude lists")
+    doctor_arguments(dr)
+    dr.set_defaults(func=_doctor)
     return p
 
 

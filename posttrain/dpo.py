@@ -244,7 +244,7 @@ class DPORun:
         self.cfg = cfg
         self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
             cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
-            "pairs per global micro-batch; each rank trains its contiguous share")
+            "pairs per global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
         # rewards first: a reward server that does not answer fails the run before any model loads
         self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
         self.st = st = PolicyStage.setup(cfg, "dpo")

@@ -132,7 +132,8 @@ class GRPORun:
 
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
-        self.ranks = ranks = RankLayout.start_job(cfg.parallel)  # a no-op in one process
+        self.ranks = ranks = RankLayout.start_job(  # a no-op in one process
+            cfg.parallel, Path(cfg.run_dir) / "flight_recorder")
         ranks.check(cfg.rollout.prompts_per_step, cfg.train.batch_size, cfg.train.ema_decay)
         self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed, cfg.policy.lora_rank > 0)
         self.rewards = CompositeReward(cfg.rewards)  # first: a reward server that does not answer fails fast

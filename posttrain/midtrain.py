@@ -120,7 +120,7 @@ class MidtrainRun:
     def __init__(self, cfg: MidtrainConfig):
         self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
             cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
-            "the global micro-batch; each rank trains its contiguous share")
+            "the global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
         self.st = st = PolicyStage.setup(cfg, "midtrain")
         st.policy.frozen_reference = None  # no reference term: full fine-tuning keeps no frozen copy
         self.cfg = cfg = replace(cfg, flow=resolve_flow(cfg.flow, st.meta, cfg.model.pretrained))

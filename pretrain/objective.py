@@ -99,11 +99,13 @@ def draw_training_noise(x0: torch.Tensor, seed: int, step: int, indices: list[in
 
 def pretrain_loss(model, x0: torch.Tensor, embeds: PromptEmbeds, null_embeds: PromptEmbeds,
                   noise: torch.Tensor, sigma: torch.Tensor, drop: torch.Tensor,
-                  objective: str = "rectified_flow") -> torch.Tensor:
-    """Mean loss (float32 scalar) of ``objective`` (a name in :data:`OBJECTIVES`) of
-    ``model(x_sigma, sigma, embeds) -> v`` on latents ``x0 [B, C, h, w]``; samples with ``drop`` use
-    ``null_embeds`` (``[1, ...]``). ``ValueError`` naming ``flow.objective`` for an unknown objective."""
+                  objective: str = "rectified_flow", per_sample: bool = False) -> torch.Tensor:
+    """Mean loss (float32 scalar; ``[B]`` per sample with ``per_sample``) of ``objective`` (a name in
+    :data:`OBJECTIVES`) of ``model(x_sigma, sigma, embeds) -> v`` on latents ``x0 [B, C, h, w]``; samples
+    with ``drop`` use ``null_embeds`` (``[1, ...]``). ``ValueError`` naming ``flow.objective`` for an
+    unknown objective."""
     loss = get_objective(objective).loss
     x_t = interpolate(x0, noise, sigma)
     v = model(x_t, sigma, drop_condition(embeds, null_embeds, drop))
-    return loss(v, x0, noise, sigma).mean()
+    per = loss(v, x0, noise, sigma)
+    return per if per_sample else per.mean()

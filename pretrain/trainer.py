@@ -23,6 +23,7 @@ from pretrain.runtime.loop import run_stage
 from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.profiling import StepProfiler
 from pretrain.runtime.config_record import record_config
+from pretrain.runtime.spikes import sigma_buckets
 from pretrain.runtime.runtime import Runtime, resolve_device
 from pretrain.seeding import seed_for
 from pretrain.evaluation import heldout_loss, write_grid
@@ -111,19 +112,24 @@ def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, 
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
     lo, hi = ranks.share(b) if ranks else (0, b)
     model.train()
-    loss_sum = 0.0
+    loss_sum, buckets = 0.0, {}
     for micro in range(accum):
         images, embeds, _ = data.batch(sampler.next(b)[lo:hi])
         x0 = codec.encode(images.to(device))
         noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b + lo, micro * b + hi),
                                                  cfg.flow, train_sigmas=train_sigmas)
         with rt.autocast():
-            loss = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop, cfg.flow.objective)
+            per = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop, cfg.flow.objective,
+                                per_sample=True)
+            loss = per.mean()
         rt.backward(loss)
         loss_sum += loss.item()
-    if ranks:  # every rank's guard must see the same loss
+        for name, (total, n) in sigma_buckets(sigma, per.detach()).items():  # the spike detector's buckets
+            before = buckets.get(name, (0.0, 0))
+            buckets[name] = (before[0] + total, before[1] + n)
+    if ranks:  # the logged loss is the global batch's
         loss_sum, = ranks.mean([loss_sum])
-    metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum)}
+    metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum, buckets)}
     metrics["samples_per_s"] = b * accum / (time.perf_counter() - t0)
     return metrics
 
@@ -138,7 +144,7 @@ class PretrainRun:
         self.cfg = cfg
         self.ranks = ranks = JobRanks.start_batch_job(  # a no-op in one process
             cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
-            "the global micro-batch; each rank trains its contiguous share")
+            "the global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = device = ranks.device if ranks.distributed else resolve_device(cfg.train.device)

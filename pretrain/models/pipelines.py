@@ -112,6 +112,9 @@ def save_lora(denoiser: torch.nn.Module, out_dir: str | Path, pipeline: str | No
 
     layers = get_peft_model_state_dict(denoiser)
     config = denoiser.peft_config["default"].to_dict()
+    # peft keeps target_modules as a set (ordered by string hashes, which vary per process): sorted, the
+    # same adapter gives the same metadata in every run
+    config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
     if pipeline is None:
         LoraBaseMixin.write_lora_layers(LoraBaseMixin.pack_weights(layers, component), str(out_dir),
                                         is_main_process=True, weight_name=None, save_function=None,

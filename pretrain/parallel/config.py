@@ -21,7 +21,9 @@ class ParallelConfig:
     adapters stay fp32 (``fsdp.py``). ``sp`` > 1 turns on Ulysses sequence parallelism with the model
     family's plan (``sequence.py``).
     ``always_shard``: build the mesh and FSDP2-shard even when ``torchrun`` starts a single rank (a GPU
-    check of the sharded code path on one device); without it one rank runs as a plain process."""
+    check of the sharded code path on one device); without it one rank runs as a plain process.
+    ``collective_timeout_s``: seconds a collective may wait before the process group aborts (a hang
+    ends as an error, with an NCCL flight-recorder dump on GPUs: docs/doctor.md)."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -31,9 +33,10 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     always_shard: bool = False
+    collective_timeout_s: float = 1800.0
 
     def validate(self, prefix: str = "") -> None:
-        require_positive(self, prefix, "dp_replicate", "sp")
+        require_positive(self, prefix, "dp_replicate", "sp", "collective_timeout_s")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"{prefix}dp_shard: must be >= 1 or -1 (infer), got {self.dp_shard}")
         for name in ("param_dtype", "reduce_dtype"):

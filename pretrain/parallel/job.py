@@ -38,11 +38,13 @@ class JobRanks:
     device: torch.device
 
     @classmethod
-    def start_job(cls, parallel: ParallelConfig, **fields):
-        """Join the ``torchrun`` process group if there is one and build the mesh when the world size is
-        above 1 (or 1 with ``parallel.always_shard`` under ``torchrun``). Raises ``ValueError`` naming the degrees when they do not multiply to the world size.
+    def start_job(cls, parallel: ParallelConfig, dump_dir: str | Path | None = None, **fields):
+        """Join the ``torchrun`` process group if there is one (collectives time out after
+        ``parallel.collective_timeout_s``; NCCL flight-recorder dumps go to ``dump_dir``) and build the
+        mesh when the world size is above 1 (or 1 with ``parallel.always_shard`` under ``torchrun``).
+        Raises ``ValueError`` naming the degrees when they do not multiply to the world size.
         Ranks other than 0 log warnings only. ``fields``: a subclass's extra dataclass fields."""
-        device = init_distributed()
+        device = init_distributed(parallel.collective_timeout_s, dump_dir)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1 and dist.get_rank() != 0:  # one copy of every info line (rank 0's)
             logging.getLogger().setLevel(logging.WARNING)
@@ -50,11 +52,12 @@ class JobRanks:
         return cls(parallel.dims().build_mesh(device.type) if sharded else None, device, **fields)
 
     @classmethod
-    def start_batch_job(cls, parallel: ParallelConfig, ema_decay: float, batch_size: int, why: str):
+    def start_batch_job(cls, parallel: ParallelConfig, ema_decay: float, batch_size: int, why: str,
+                        dump_dir: str | Path | None = None):
         """:meth:`start_job`, then the checks of a trainer whose global micro-batch ``train.batch_size``
         is split over the data-parallel ranks (``why``: what one rank trains): :meth:`refuse_ema` and
         :meth:`require_divisible` (``ConfigError`` naming the key)."""
-        ranks = cls.start_job(parallel)
+        ranks = cls.start_job(parallel, dump_dir)
         ranks.refuse_ema(ema_decay)
         ranks.require_divisible("train.batch_size", batch_size, why)
         return ranks

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -45,18 +46,53 @@ def check_launcher() -> None:
                           f"posttrain ...`")
 
 
-def init_distributed() -> torch.device:
+def _attempt_store(timeout: timedelta):
+    """``(store, rank, world_size)`` of the ``env://`` rendezvous, the store prefixed by the torchrun
+    attempt: after ``torchrun --max-restarts`` restarts the ranks, the agent's store still holds the
+    previous attempt's keys (gloo's peer addresses among them), which a new group would read."""
+    from torch.distributed import PrefixStore, rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    return PrefixStore(f"posttrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store), rank, world
+
+
+def init_distributed(timeout_s: float = 1800.0, dump_dir: str | Path | None = None) -> torch.device:
     """Under ``torchrun`` (``WORLD_SIZE`` set; ``accelerate launch --multi_gpu`` sets it the same way):
     initialise the default process group (NCCL with CUDA, gloo otherwise) from its environment
     variables and return this rank's device (``cuda:LOCAL_RANK`` or cpu). Without it: nothing to
-    join, returns the default device. ``ConfigError`` from :func:`check_launcher`."""
+    join, returns the default device. ``ConfigError`` from :func:`check_launcher`.
+
+    ``timeout_s``: how long a collective may wait before the group aborts (seconds). On CUDA the NCCL
+    flight recorder is switched on unless the environment already sets it
+    (:func:`flight_recorder_env`; dumps to ``dump_dir``, default ``./flight_recorder``)."""
     check_launcher()
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" in os.environ and not torch.distributed.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+            for key, value in flight_recorder_env(dump_dir or "flight_recorder", os.environ).items():
+                os.environ[key] = value
+                if key == "TORCH_FR_DUMP_TEMP_FILE":
+                    Path(value).parent.mkdir(parents=True, exist_ok=True)
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world = _attempt_store(timeout)
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+                                             timeout=timeout)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def flight_recorder_env(dump_dir: str | Path, environ) -> dict[str, str]:
+    """The NCCL flight-recorder settings to add to ``environ`` (only the keys it does not set): a ring
+    of the last 2000 collectives per rank (``TORCH_FR_BUFFER_SIZE``), dumped when a collective times out
+    (``TORCH_NCCL_DUMP_ON_TIMEOUT``) to ``<dump_dir>/rank_<N>`` (``TORCH_FR_DUMP_TEMP_FILE``; read them
+    with ``python -m torch.distributed.flight_recorder.fr_trace <dump_dir>``). See docs/doctor.md."""
+    defaults = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_FR_DUMP_TEMP_FILE": str(Path(dump_dir).resolve() / "rank_")}
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" in environ:  # the older name of the buffer size
+        defaults.pop("TORCH_FR_BUFFER_SIZE")
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in environ:
+        defaults.pop("TORCH_FR_DUMP_TEMP_FILE")
+    return {k: v for k, v in defaults.items() if k not in environ}
 
 
 def free_port() -> int:

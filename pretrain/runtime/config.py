@@ -39,6 +39,10 @@ class RuntimeConfig:
     ``max_nonfinite``: consecutive non-finite steps tolerated before the run stops.
     ``max_no_signal`` (stages trained on rewards): iterations in a row in which every prompt group has
     zero reward spread before the run stops (0 = never; :mod:`posttrain.signal_guard`).
+    ``spike_window`` / ``spike_zscore`` / ``spike_action``: the loss-spike detector
+    (:mod:`pretrain.runtime.spikes`; window 0 = off; action ``warn`` or ``skip``).
+    ``replica_check_every``: compare the data-parallel replicas' weights every N optimizer steps
+    (:mod:`pretrain.parallel.replicas`; 0 = never; nothing to compare in one process).
     ``device``: "auto" (cuda if available), "cpu" or "cuda[:i]"; ``threads``: torch CPU threads."""
 
     steps: int = 100
@@ -49,6 +53,10 @@ class RuntimeConfig:
     ema_decay: float = 0.0
     max_nonfinite: int = 3
     max_no_signal: int = 10
+    spike_window: int = 100
+    spike_zscore: float = 6.0
+    spike_action: str = "warn"
+    replica_check_every: int = 100
     device: str = "auto"
     threads: int | None = None
 
@@ -56,6 +64,13 @@ class RuntimeConfig:
         require_positive(self, prefix, "steps", "batch_size", "grad_accum")
         if self.max_no_signal < 0:
             raise ValueError(f"{prefix}max_no_signal: must be >= 0 (0 = never stop), got {self.max_no_signal}")
+        for name in ("spike_window", "replica_check_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}{name}: must be >= 0 (0 = off), got {getattr(self, name)}")
+        if not self.spike_zscore > 0:
+            raise ValueError(f"{prefix}spike_zscore: must be > 0, got {self.spike_zscore}")
+        if self.spike_action not in ("warn", "skip"):
+            raise ValueError(f"{prefix}spike_action: '{self.spike_action}' is not one of warn, skip")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16")
         if not 0.0 <= self.ema_decay < 1.0:

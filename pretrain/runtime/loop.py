@@ -8,7 +8,8 @@ export, policy, runtime, resume) and offers ``cfg`` (with ``train.steps`` and ``
 grids written, mirrored to wandb after the step's metrics),
 ``save() -> checkpoint path, or None when the weights were not fit to save`` and ``finish() -> export
 folder``. A final step whose weights cannot be saved stops the run (``RunStopped``) instead of exporting
-them. A stage may also end early on purpose: when its ``guard`` (optional; None when off) has a
+them. ``rt`` (optional) is the stage's runtime: its record of a torchrun attempt is closed with how
+the stage ended (:mod:`pretrain.runtime.restarts`). A stage may also end early on purpose: when its ``guard`` (optional; None when off) has a
 ``stopped`` reason after a step, that step is the last one (checkpointed) and the stage finishes (exports).
 """
 
@@ -49,10 +50,16 @@ def run_stage(stage) -> Path:
     """Run ``stage`` from where it stands (0, or a resumed step) to ``cfg.train.steps``; returns its export.
     On an exception the progress bar and wandb run are ended first (wandb marks the run failed), so the
     error is the last thing printed."""
+    attempt = getattr(getattr(stage, "rt", None), "attempt", None)
     try:
         while stage.step < stage.cfg.train.steps and not stopped(stage):
             step_once(stage)
-    except BaseException:
+        out = stage.finish()
+    except BaseException as e:
         stage.logger.close(exit_code=1)
+        if attempt is not None:
+            attempt.end(e)
         raise
-    return stage.finish()
+    if attempt is not None:
+        attempt.end()
+    return out

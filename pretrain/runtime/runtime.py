@@ -1,5 +1,6 @@
 """The training runtime every trainer uses: one optimizer step with accumulation, clipping, mixed
-precision, the numerics guard, EMA, LR schedule, and full-state checkpoints (DCP).
+precision, the numerics guard (agreed by all ranks), loss-spike detection, the replica check, EMA,
+LR schedule, full-state checkpoints (DCP) and the record of torchrun restarts.
 
 A trainer computes float32 losses under ``runtime.autocast()``, calls ``runtime.backward(loss)``
 per micro-batch and ``runtime.optimizer_step(loss_value)`` once per step; ``save()`` / ``resume()``
@@ -21,11 +22,25 @@ from pretrain.runtime.checkpoint import (CheckpointError, CheckpointManager, own
                                          set_rng_state)
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.ema import build_ema
-from pretrain.runtime.guard import NonFiniteGuard
+from pretrain.parallel.replicas import check_replicas
+from pretrain.runtime import faults
+from pretrain.runtime.guard import NonFiniteGuard, RunStopped
 from pretrain.runtime.optim import build_lr_scheduler, build_optimizer
 from pretrain.runtime.precision import Precision
+from pretrain.runtime.restarts import Attempt, restart_count
+from pretrain.runtime.spikes import SpikeDetector
 
 log = logging.getLogger(__name__)
+
+
+class ReplicaDriftError(RunStopped):
+    """Data-parallel replicas hold different weights (the message names the ranks and a parameter)."""
+
+
+def _world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 class Stateful(Protocol):
@@ -61,7 +76,10 @@ class Runtime:
         self.precision = Precision(cfg.precision, device)
         self.ema = build_ema(model, cfg.ema_decay)
         self.guard = NonFiniteGuard(cfg.max_nonfinite)
+        self.spikes = SpikeDetector(cfg.spike_window, cfg.spike_zscore)
+        self.spikes_total = 0
         self.checkpoints = CheckpointManager(checkpoint_dir, keep_last)
+        self.attempt = Attempt(Path(checkpoint_dir).parent, _world()[0])
         self.stateful = dict(stateful or {})
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         # the optimizer and LR-schedule state a resume loads carry these: a changed value would be ignored
@@ -81,24 +99,45 @@ class Runtime:
         scaler = self.precision.scaler
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
-    def optimizer_step(self, loss_value: float) -> dict:
-        """Clip, check, step (or skip), update EMA and LR. ``loss_value`` is the step's mean loss.
+    def optimizer_step(self, loss_value: float, buckets: dict[str, tuple[float, int]] | None = None) -> dict:
+        """Clip, check, step (or skip), update EMA and LR. ``loss_value`` is this rank's mean loss of the
+        step; ``buckets``: optional ``{name: (loss sum, sample count)}`` of this rank's share (the same
+        names on every rank, e.g. :func:`pretrain.runtime.spikes.sigma_buckets`), judged by the spike
+        detector as global means.
 
-        Returns metrics: grad_norm, lr, skipped (0/1), nonfinite (name of the bad quantity or ""),
-        nonfinite_total, amp_overflows. Raises ``NonFiniteError`` after too many bad steps in a row."""
-        scaler, opt = self.precision.scaler, self.optimizer
+        Every rank decides alike: the loss and gradient norm of all ranks are gathered first, a
+        non-finite value on any rank skips the step on every rank (the metric names the ranks), and the
+        spike detector sees the means over ranks. Every ``train.replica_check_every`` steps the
+        data-parallel replicas are compared (:func:`pretrain.parallel.replicas.check_replicas`).
+
+        Returns metrics: grad_norm, lr, skipped (0/1), nonfinite (name of the bad quantity and, with
+        several ranks, where; or ""), nonfinite_total, amp_overflows, spike (0/1), spikes_total. Raises
+        ``NonFiniteError`` after too many bad steps in a row, ``ReplicaDriftError`` when replicas differ."""
+        scaler, opt, step = self.precision.scaler, self.optimizer, self.step + 1
+        loss_value = faults.inject(step, loss_value, self.params)
         if scaler is not None:
             scaler.unscale_(opt)
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        overflow = scaler is not None and math.isfinite(loss_value) and not math.isfinite(grad_norm)
-        bad = None if overflow else self.guard.check(self.step + 1, loss=loss_value, grad_norm=grad_norm)
+        bad_ranks, means = self._across_ranks(loss_value, grad_norm, buckets or {})
+        loss_ok, grad_ok = not bad_ranks["loss"], not bad_ranks["grad_norm"]
+        overflow = scaler is not None and loss_ok and not grad_ok
+        bad = None if overflow else self.guard.check(
+            step, **{self._where(name, bad_ranks[name]): means[name] if not bad_ranks[name] else float("nan")
+                     for name in ("loss", "grad_norm")})
+        spikes = self.spikes.check(means) if bad is None and not overflow else []
+        if spikes:
+            self.spikes_total += 1
+            log.warning("step %d: loss spike: %s (z-score over the last %d steps; train.spike_action=%s)", step,
+                        ", ".join(f"{n} = {v:.4g} (z {z:.1f})" for n, v, z in spikes), self.spikes.window,
+                        self.cfg.spike_action)
+        skip_spike = bool(spikes) and self.cfg.spike_action == "skip"
         lr = opt.param_groups[0]["lr"]
         if overflow:  # fp16: the scaler skips this step and lowers its scale
             self.amp_overflows += 1
             scaler.step(opt)
             scaler.update()
-        elif bad is not None:
+        elif bad is not None or skip_spike:
             opt.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.update()
@@ -112,9 +151,43 @@ class Runtime:
                 self.ema.update_parameters(self.model)
         opt.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.step += 1
-        return {"grad_norm": grad_norm, "lr": lr, "skipped": int(overflow or bad is not None),
-                "nonfinite": bad or "", "nonfinite_total": self.guard.total, "amp_overflows": self.amp_overflows}
+        self.step = step
+        self.attempt.progress(step)
+        every = self.cfg.replica_check_every
+        if every and step % every == 0 and (drift := check_replicas(self.model)):
+            raise ReplicaDriftError(f"step {step}: data-parallel replicas hold different weights: " + "; ".join(drift)
+                                    + f". Stopping; the latest checkpoint is {self.checkpoints.latest()} (check the "
+                                    f"named ranks' hardware, e.g. with posttrain doctor, before resuming)")
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": int(overflow or bad is not None or skip_spike),
+                "nonfinite": bad or "", "nonfinite_total": self.guard.total, "amp_overflows": self.amp_overflows,
+                "spike": int(bool(spikes)), "spikes_total": self.spikes_total}
+
+    def _across_ranks(self, loss_value: float, grad_norm: float, buckets: dict[str, tuple[float, int]]
+                      ) -> tuple[dict[str, list[int]], dict[str, float]]:
+        """({"loss": ranks with a non-finite loss, "grad_norm": ... }, the values every rank judges: the
+        loss and gradient norm averaged over ranks, each bucket's summed loss over its summed count, NaN
+        for an empty bucket). One all-gather of a few float64 numbers; no collective in one process."""
+        local = [loss_value, grad_norm, *(x for total, n in buckets.values() for x in (total, float(n)))]
+        rank, world = _world()
+        rows = [local]
+        if world > 1:
+            t = torch.tensor(local, dtype=torch.float64, device=self.device)
+            parts = [torch.empty_like(t) for _ in range(world)]
+            torch.distributed.all_gather(parts, t)
+            rows = [p.tolist() for p in parts]
+        bad = {name: [r for r, row in enumerate(rows) if not math.isfinite(row[i])]
+               for i, name in enumerate(("loss", "grad_norm"))}
+        means = {"loss": sum(row[0] for row in rows) / world, "grad_norm": sum(row[1] for row in rows) / world}
+        for i, name in enumerate(buckets):
+            total, n = sum(row[2 + 2 * i] for row in rows), sum(row[3 + 2 * i] for row in rows)
+            means[name] = total / n if n else float("nan")
+        return bad, means
+
+    @staticmethod
+    def _where(name: str, ranks: list[int]) -> str:
+        if not ranks or _world()[1] == 1:
+            return name
+        return f"{name} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
     def sampling_model(self) -> torch.nn.Module:
         """The weights to sample and export with: EMA when enabled, else the trained model."""
@@ -125,6 +198,7 @@ class Runtime:
         msd, osd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
         state = {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict(), "step": self.step,
                  "guard": self.guard.state_dict(), "amp_overflows": self.amp_overflows,
+                 "spikes": {"history": self.spikes.state_dict(), "total": self.spikes_total},
                  # per rank: DCP keeps one copy of equal keys, and each rank has its own RNG and positions
                  "rng": per_rank(rng_state()),
                  "stateful": per_rank({k: v.state_dict() for k, v in self.stateful.items()})}
@@ -163,7 +237,9 @@ class Runtime:
             log.warning("checkpoint step_%d not written: %s; the latest checkpoint stays %s", step, reason,
                         self.checkpoints.latest())
             return None
-        return self.checkpoints.save(step, self.state_dict(), self.shape)
+        path = self.checkpoints.save(step, self.state_dict(), self.shape)
+        self.attempt.progress(self.step, checkpoint=step)
+        return path
 
     def load(self, path: str | Path) -> None:
         state = self.state_dict()
@@ -175,6 +251,8 @@ class Runtime:
         self.step = int(state["step"])
         self.guard.load_state_dict(state["guard"])
         self.amp_overflows = int(state["amp_overflows"])
+        self.spikes.load_state_dict(state["spikes"]["history"])
+        self.spikes_total = int(state["spikes"]["total"])
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
         if self.precision.scaler is not None:
@@ -186,12 +264,25 @@ class Runtime:
     def start(self, resume: bool) -> Path | None:
         """Begin a run: with ``resume``, load the latest complete checkpoint (None if there is none);
         without it, refuse a checkpoint folder that already holds checkpoints (``ValueError``), so two
-        runs never mix in one directory."""
+        runs never mix in one directory. A rank that torchrun restarted (:mod:`pretrain.runtime.restarts`)
+        always resumes, records the restart and its reasons, and raises ``RunStopped`` when the previous
+        attempt stopped on purpose (a guard's stop is not undone by restarting)."""
+        if restart_count() > 0:
+            stop = self.attempt.previous_stop()
+            if stop:
+                raise RunStopped(f"torchrun restart {restart_count()}: the previous attempt stopped on purpose "
+                                 f"({stop}); not training again")
+            resume = True
         if resume:
-            return self.resume()
+            path = self.resume()
+            summary = self.attempt.begin(self.step, path)
+            if summary:
+                log.warning(summary)
+            return path
         if self.checkpoints.steps():
             raise ValueError(f"{self.checkpoints.root} already holds checkpoints {self.checkpoints.steps()}: pass "
                              f"--resume (checkpoint.resume=true) to continue that run, or use another run_dir")
+        self.attempt.begin(0, None)
         return None
 
     def resume(self) -> Path | None:

@@ -121,9 +121,9 @@ def _nan_at(monkeypatch, bad_steps):
     orig_step = Runtime.optimizer_step
     snapshots = []
 
-    def step(self, loss_value):
+    def step(self, loss_value, buckets=None):
         before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        out = orig_step(self, loss_value)
+        out = orig_step(self, loss_value, buckets)
         snapshots.append((before, {k: v.detach().clone() for k, v in self.model.state_dict().items()}))
         state["step"] += 1
         return out

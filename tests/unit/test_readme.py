@@ -136,8 +136,8 @@ def check_posttrain(where: str, args: list[str]) -> None:
                             num_inference_steps=parsed.steps, guidance_scale=parsed.guidance_scale), "--")
         if parsed.prompts not in ("heldout", "train"):
             assert (ROOT / parsed.prompts).is_file(), f"{where}: prompt file {parsed.prompts} not found"
-    elif parsed.command == "sample":
-        pass  # the model folder is an output of an earlier command; the arguments parsed above
+    elif parsed.command in ("sample", "doctor"):
+        pass  # a model folder from an earlier command / the ranks of a launch: the arguments parsed above
     else:
         pytest.fail(f"{where}: no check for `posttrain {parsed.command}`: add one to {Path(__file__).name}")
 
