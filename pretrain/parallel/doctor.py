@@ -17,7 +17,8 @@ rank measures, one ``all_gather_object`` brings the numbers together, and every 
 3. **Links.** Every pair of ranks exchanges ``--p2p-mib`` both ways (the lower rank sends first, then
    receives; the higher rank the reverse, so no deadlock), in rounds of disjoint pairs (the circle method:
    ``n - 1`` rounds of ``n / 2`` concurrent pairs, a bye for odd ``n``; a barrier between rounds), a warm-up
-   then ``--p2p-iters`` timed round trips, the median as the lower rank measures it. A transfer that raises
+   then ``--p2p-iters`` timed round trips, the fastest as the lower rank measures it (a link counts as slow
+   only when every exchange was slow: one scheduling hiccup on a loaded host is not a bad link). A transfer that raises
    or exceeds ``--p2p-timeout`` makes the pair failing. Naming the fault is a read of the all-pairs matrix,
    not an adaptive search: a rank whose every link is bad is named (its NIC / GPU), otherwise each bad link
    by its two ends (see ``classify_links``). A dead rank is not diagnosed here: the group's collectives
@@ -116,7 +117,7 @@ def pair_times(device: torch.device, numel: int, iters: int, timeout_s: float,
     passes over the whole schedule (pass 0 warms up: NCCL connects a pair on first use), so each pair's
     samples are spread over the check's duration like every other pair's and a burst of load elsewhere
     does not land on one pair alone. ``slow_link`` ``((a, b), seconds)`` sleeps in each timed exchange of
-    that pair on both ends (fault injection). Returns ``{(a, b): (median seconds | None, error | None)}``
+    that pair on both ends (fault injection). Returns ``{(a, b): (fastest seconds | None, error | None)}``
     for this rank's pairs; a transfer that raises or times out gives ``(None, "ErrorType: message")`` and a
     line on stderr, and that pair is not tried again."""
     rank, schedule = dist.get_rank(), round_robin(dist.get_world_size())
@@ -140,7 +141,7 @@ def pair_times(device: torch.device, numel: int, iters: int, timeout_s: float,
                       flush=True)
             if i:
                 times.setdefault(pair, []).append(time.perf_counter() - start)
-    return {p: (None, errors[p]) if p in errors else (statistics.median(ts), None) for p, ts in times.items()}
+    return {p: (None, errors[p]) if p in errors else (min(ts), None) for p, ts in times.items()}
 
 
 def _check_ranks(args, world: int) -> None:

@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--min-busbw", type=_non_negative, metavar="GBPS", help="flag a collective below this busbw, GB/s "
       "(default: report only)")
     a("--p2p-mib", type=_number(0, True), help="send/recv size per direction, MiB (default 8 GPU, 2 CPU)")
-    a("--p2p-iters", type=_positive_int, default=5, help="timed exchanges per pair; the median counts (default 5)")
+    a("--p2p-iters", type=_positive_int, default=5, help="timed exchanges per pair; the fastest counts (default 5)")
     a("--p2p-timeout", type=_number(0, True), default=60.0, help="seconds before a transfer counts as failing")
     a("--slow-link-ratio", type=_number(1, True), default=3.0,
       help="flag a link whose time exceeds this x the typical link time (default 3.0)")

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _doctor(out: Path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m", "posttrain",
-           "doctor", "--out", str(out), "--rounds", "3", "--p2p-iters", "3", *options]
+           "doctor", "--out", str(out), *options]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert (out / "doctor.json").exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc, json.loads((out / "doctor.json").read_text())
