@@ -138,7 +138,7 @@ class GRPORun:
         self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed, cfg.policy.lora_rank > 0)
         self.rewards = CompositeReward(cfg.rewards)  # first: a reward server that does not answer fails fast
         self.st = st = PolicyStage.setup(cfg, "grpo")
-        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile)
+        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile, cfg.train.low_precision)
         meta, self.seed, ro = st.meta, cfg.train.seed, cfg.rollout
         self.shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
         self.sampler = Sampler.build(ro, st.model, st.encoder, st.device, self.shift)

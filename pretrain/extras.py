@@ -15,6 +15,7 @@ EXTRAS = {  # module -> (pip extra, PyPI package)
     "imageio.v2": ("video", "imageio"),
     "datasets": ("data", "datasets"),
     "imagehash": ("data", "imagehash"),
+    "torchao": ("lowp", "torchao"),
 }
 
 

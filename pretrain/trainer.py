@@ -166,7 +166,7 @@ class PretrainRun:
             self.train_sigmas = objective_sigmas(model, cfg.flow)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        ranks.shard(model, None, cfg.parallel)
+        ranks.shard(model, None, cfg.parallel, low_precision=cfg.train.low_precision)
         self.sampler = EpochSampler(len(self.train_set), cfg.train.seed)
         self.rt = rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
                                stateful={"sampler": self.sampler})

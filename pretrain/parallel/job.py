@@ -117,10 +117,18 @@ class JobRanks:
 
     # -- setup -----------------------------------------------------------------------------------
     def shard(self, model: torch.nn.Module, reference: torch.nn.Module | None, parallel: ParallelConfig,
-              compile_blocks: bool = False) -> None:
-        """Ulysses SP (``parallel.sp`` > 1), then FSDP2 on ``model`` (peft adapters already added) and on
-        a frozen full-fine-tuning ``reference`` if any. ``compile_blocks`` joins ``parallel.compile``: one
-        per-block compile, in torchtitan's order. No-op in one process."""
+              compile_blocks: bool = False, low_precision=None) -> None:
+        """Prepare ``model`` (peft adapters already added) and a frozen full-fine-tuning ``reference`` if
+        any, in torchtitan's order: the ``low_precision`` conversion of their denoisers (a
+        :class:`~pretrain.runtime.low_precision.LowPrecisionConfig`; also in one process), then Ulysses SP
+        (``parallel.sp`` > 1), then FSDP2. ``compile_blocks`` joins ``parallel.compile``: one per-block
+        compile. Sharding is a no-op in one process."""
+        if low_precision is not None and low_precision.enabled:
+            from pretrain.runtime.low_precision import convert
+
+            for m in (model, reference):
+                if m is not None:
+                    convert(m.transformer, low_precision)
         if not self.mesh:
             return
         if self.mesh.sp_size > 1:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from pretrain.config import require_positive
+from pretrain.runtime.low_precision import LowPrecisionConfig
 
 
 @dataclass
@@ -43,7 +44,9 @@ class RuntimeConfig:
     (:mod:`pretrain.runtime.spikes`; window 0 = off; action ``warn`` or ``skip``).
     ``replica_check_every``: compare the data-parallel replicas' weights every N optimizer steps
     (:mod:`pretrain.parallel.replicas`; 0 = never; nothing to compare in one process).
-    ``device``: "auto" (cuda if available), "cpu" or "cuda[:i]"; ``threads``: torch CPU threads."""
+    ``device``: "auto" (cuda if available), "cpu" or "cuda[:i]"; ``threads``: torch CPU threads.
+    ``low_precision``: FP8 / MXFP8 / NVFP4 training of the denoiser's Linear layers with torchao
+    (:mod:`pretrain.runtime.low_precision`; off by default)."""
 
     steps: int = 100
     batch_size: int = 32
@@ -59,9 +62,11 @@ class RuntimeConfig:
     replica_check_every: int = 100
     device: str = "auto"
     threads: int | None = None
+    low_precision: LowPrecisionConfig = field(default_factory=LowPrecisionConfig)
 
     def validate(self, prefix: str = "") -> None:
         require_positive(self, prefix, "steps", "batch_size", "grad_accum")
+        self.low_precision.check_device(f"{prefix}low_precision.", self.device)
         if self.max_no_signal < 0:
             raise ValueError(f"{prefix}max_no_signal: must be >= 0 (0 = never stop), got {self.max_no_signal}")
         for name in ("spike_window", "replica_check_every"):

@@ -25,6 +25,7 @@ from pretrain.runtime.ema import build_ema
 from pretrain.parallel.replicas import check_replicas
 from pretrain.runtime import faults
 from pretrain.runtime.guard import NonFiniteGuard, RunStopped
+from pretrain.runtime.low_precision import after_optimizer_step
 from pretrain.runtime.optim import build_lr_scheduler, build_optimizer
 from pretrain.runtime.precision import Precision
 from pretrain.runtime.restarts import Attempt, restart_count
@@ -147,6 +148,7 @@ class Runtime:
                 scaler.update()
             else:
                 opt.step()
+            after_optimizer_step(self.model)
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
         opt.zero_grad(set_to_none=True)
