@@ -186,6 +186,14 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path))
 
+    @staticmethod
+    def holds(path: str | Path, key: str) -> bool:
+        """Whether the checkpoint at ``path`` has top-level entry ``key`` (read from DCP's metadata)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return any(k == key or k.startswith(f"{key}.") for k in keys)
+
     def candidates(self) -> list[Path]:
         """Complete checkpoints, newest first (what a resume tries, in order)."""
         return [self.root / f"step_{s}" for s in reversed(self.steps())]

@@ -245,6 +245,8 @@ class Runtime:
 
     def load(self, path: str | Path) -> None:
         state = self.state_dict()
+        if not self.checkpoints.holds(path, "spikes"):  # written before the spike detector: it starts empty
+            state.pop("spikes")
         self.checkpoints.load(state, path)
         # frozen parameters (a LoRA base) are not in the checkpoint: they come from the export
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -253,8 +255,9 @@ class Runtime:
         self.step = int(state["step"])
         self.guard.load_state_dict(state["guard"])
         self.amp_overflows = int(state["amp_overflows"])
-        self.spikes.load_state_dict(state["spikes"]["history"])
-        self.spikes_total = int(state["spikes"]["total"])
+        spikes = state.get("spikes", {"history": {}, "total": 0})
+        self.spikes.load_state_dict(spikes["history"])
+        self.spikes_total = int(spikes["total"])
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
         if self.precision.scaler is not None:

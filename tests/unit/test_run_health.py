@@ -83,3 +83,25 @@ def test_flight_recorder_defaults_leave_what_the_user_set(tmp_path):
     mine = {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/trace_"}
     assert flight_recorder_env(tmp_path, mine) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     assert "TORCH_FR_BUFFER_SIZE" not in flight_recorder_env(tmp_path, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"})
+
+
+def test_a_checkpoint_written_before_the_spike_detector_resumes(tmp_path, monkeypatch):
+    def runtime():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        return Runtime(model, RuntimeConfig(steps=5, spike_window=10), OptimConfig(lr=0.01), torch.device("cpu"),
+                       tmp_path, keep_last=2)
+
+    old = runtime()
+    for _ in range(2):
+        old.backward(old.model(torch.ones(1, 4)).pow(2).mean())
+        old.optimizer_step(1.0)
+    full = Runtime.state_dict
+    monkeypatch.setattr(Runtime, "state_dict", lambda self: {k: v for k, v in full(self).items() if k != "spikes"})
+    path = old.save()
+    monkeypatch.undo()
+    assert not old.checkpoints.holds(path, "spikes") and old.checkpoints.holds(path, "step")
+    new = runtime()
+    assert new.start(resume=True) == path
+    assert new.step == 2 and new.spikes.history == {} and new.spikes_total == 0
+    assert all(torch.equal(a, b) for a, b in zip(old.model.state_dict().values(), new.model.state_dict().values()))
