@@ -10,8 +10,8 @@ does not stay unconverted (:data:`DIT_KEEP`, the config's ``keep`` list): the ti
 the adaLN modulation projections, the final layer, LoRA adapters, and any Linear whose dimensions are
 not multiples of what the recipe's kernels need (:data:`MULTIPLE`).
 
-Recipes (torchao 0.18): ``fp8_rowwise`` and ``fp8_tensorwise`` (``torchao.float8``, e4m3 forward / e5m2
-gradients per torchao's recipe), ``mxfp8`` (e4m3 in all three GEMMs in blocks of 32 with
+Recipes (torchao 0.18): ``fp8_rowwise`` (``torchao.float8``: e4m3 throughout, power-of-two scales per row)
+and ``fp8_tensorwise`` (e4m3 forward, e5m2 gradients, one scale per tensor), ``mxfp8`` (e4m3 in all three GEMMs in blocks of 32 with
 power-of-two scales, OCP Microscaling spec v1.0; torchao's MXFP8 matmul called from the Linear's
 forward, the parameters staying plain tensors), ``nvfp4`` (``NVFP4TrainingConfig``: e2m1 in blocks of
 16 with e4m3 block scales, a random Hadamard transform and stochastic rounding of gradients; Triton
