@@ -190,15 +190,20 @@ def _mxfp8_linear() -> type:
     return _MXFP8_LINEAR[0]
 
 
-def after_optimizer_step(model: torch.nn.Module) -> None:
-    """Precompute the FP8 scales FSDP2's FP8 all-gather uses, once per optimizer step, when a denoiser in
-    ``model`` was converted with ``fp8_all_gather`` (torchao's ``precompute_float8_dynamic_scale_for_fsdp``);
-    a no-op otherwise."""
-    for mod in model.modules():
-        if getattr(mod, "_posttrain_fp8_precompute", False):
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+def fp8_all_gather_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The denoisers in ``model`` converted with ``fp8_all_gather`` (found once, when a runtime is built
+    after the conversion; ``[]`` for every other model)."""
+    return [m for m in model.modules() if getattr(m, "_posttrain_fp8_precompute", False)]
 
-            precompute_float8_dynamic_scale_for_fsdp(mod)
+
+def after_optimizer_step(modules: list[torch.nn.Module]) -> None:
+    """Precompute the FP8 scales FSDP2's FP8 all-gather uses, once per optimizer step, for ``modules``
+    (:func:`fp8_all_gather_modules`; torchao's ``precompute_float8_dynamic_scale_for_fsdp``); a no-op for
+    an empty list."""
+    for mod in modules:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(mod)
 
 
 def _high_precision(p: torch.Tensor) -> torch.Tensor | None:

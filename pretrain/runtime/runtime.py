@@ -25,7 +25,7 @@ from pretrain.runtime.ema import build_ema
 from pretrain.parallel.replicas import check_replicas
 from pretrain.runtime import faults
 from pretrain.runtime.guard import NonFiniteGuard, RunStopped
-from pretrain.runtime.low_precision import after_optimizer_step
+from pretrain.runtime.low_precision import after_optimizer_step, fp8_all_gather_modules
 from pretrain.runtime.optim import build_lr_scheduler, build_optimizer
 from pretrain.runtime.precision import Precision
 from pretrain.runtime.restarts import Attempt, restart_count
@@ -81,6 +81,7 @@ class Runtime:
         self.spikes_total = 0
         self.checkpoints = CheckpointManager(checkpoint_dir, keep_last)
         self.attempt = Attempt(Path(checkpoint_dir).parent, _world()[0])
+        self.fp8_all_gather = fp8_all_gather_modules(model)  # converted before the runtime is built
         self.stateful = dict(stateful or {})
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         # the optimizer and LR-schedule state a resume loads carry these: a changed value would be ignored
@@ -148,7 +149,7 @@ class Runtime:
                 scaler.update()
             else:
                 opt.step()
-            after_optimizer_step(self.model)
+            after_optimizer_step(self.fp8_all_gather)
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
         opt.zero_grad(set_to_none=True)
