@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from posttrain.distributed_grpo import RankLayout
+from posttrain.engines import build_engine
 from posttrain.grpo_update import GRPOAlgorithmConfig
 from posttrain.guard import Guard, group_diversity, guard_shape
 from pretrain.runtime.loop import run_stage
-from posttrain.perf import compile_blocks, merge_lora_blocker, records_uncond, resolve_perf
+from posttrain.perf import compile_blocks, merge_lora_blocker, resolve_perf
 from posttrain.stage import PolicyStage
 from posttrain.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.stage_config import StageConfig
@@ -33,7 +34,6 @@ from rewards.scoring import AsyncScorer
 from rewards.truncation import fractions, take_truncation_counts
 from rollout.config import RolloutConfig
 from rollout.sampler import Sampler
-from rollout.timed_codec import TimedCodec
 
 
 @dataclass
@@ -59,6 +59,7 @@ class GRPOConfig(StageConfig):
         check_reward_weights(self.rewards)
         iteration_shape(self)
         check_log_probs(self)
+        check_engine(self)
         blocker = merge_lora_blocker(self.train.precision, distributed=False)  # several ranks: checked at start
         if self.perf.merge_lora and self.policy.lora_rank > 0 and blocker:
             raise ValueError(f"perf.merge_lora: true cannot be honoured with {blocker}; set perf.merge_lora=false")
@@ -88,18 +89,34 @@ def check_log_probs(cfg: GRPOConfig) -> None:
                          f"nft, awm, dgpo)")
 
 
+def check_engine(cfg: GRPOConfig) -> None:
+    """``ValueError`` naming the keys when the rollout engine, its mode and the old log-probs do not go
+    together: stale samples are corrected against recomputed old log-probs; the forward-process losses
+    sample with their own copies and stay on the local engine."""
+    ro, g = cfg.rollout, cfg.grpo
+    needs_log_probs = getattr(g.build().loss, "needs_log_probs", True)
+    if ro.engine == "ray" and getattr(g.build().loss, "update_class", None) is not None:
+        raise ValueError(f"rollout.engine: ray trains the per-transition log-prob losses; grpo.loss.name "
+                         f"'{g.loss['name']}' samples with its own copy of the policy: use rollout.engine: local")
+    if g.old_log_prob == "recompute" and not needs_log_probs:
+        raise ValueError(f"grpo.old_log_prob: recompute applies to log-prob losses, not '{g.loss['name']}'")
+    if ro.mode != "sync" and g.rollout_correction.mode != "none" and g.old_log_prob != "recompute":
+        raise ValueError(f"rollout.mode: {ro.mode} corrects stale samples by pi_old / pi_behaviour: set "
+                         f"grpo.old_log_prob: recompute (or grpo.rollout_correction.mode: none)")
+
+
 LAST = ("lr", "nonfinite_total", "amp_overflows")
 
 
 def summarize(stats: list[dict]) -> dict:
-    """Per-iteration view of per-mini-batch stats: min / max for ratio_min / ratio_max, the last value
+    """Per-iteration view of per-mini-batch stats: the min of ratio_min, the max of ``*_max``, the last value
     of counters and the LR, the sum of ``skipped``, the mean otherwise."""
     out: dict = {}
     for key in {k for s in stats for k in s if isinstance(s[k], (int, float))}:
         vals = [s[key] for s in stats if key in s]
         if key == "ratio_min":
             out[key] = min(vals)
-        elif key == "ratio_max":
+        elif key.endswith("_max"):
             out[key] = max(vals)
         elif key in LAST:
             out[key] = vals[-1]
@@ -149,6 +166,7 @@ class GRPORun:
         self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
         self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
+        self.engine = build_engine(self)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
@@ -161,7 +179,8 @@ class GRPORun:
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, "signal": self.signal,
                                                                     **({"reward_guard": self.guard} if self.guard else {}),
-                                                                    **self.parts.stateful(), **self.update.stateful()},
+                                                                    **self.parts.stateful(), **self.update.stateful(),
+                                                                    **self.engine.stateful()},
                                total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)
         resumed = rt.start(cfg.checkpoint.resume)
         self.step = rt.step // self.opt_per_iter
@@ -192,19 +211,9 @@ class GRPORun:
         selection mask, the policy update. Returns the iteration's metrics."""
         cfg, ro, st, seed, it, parts = self.cfg, self.cfg.rollout, self.st, self.seed, self.step, self.parts
         t0 = time.perf_counter()
-        model, codec = self.sampling_model().eval(), TimedCodec(st.codec)
-        st.model.eval()
-        # every rank draws the same prompts and samples its share, noise keyed by global sample index
-        picked = self.prompts.next(ro.prompts_per_step)
-        mine, offset = self.ranks.prompt_share(picked, ro.group_size)
-        with self.rt.autocast():  # the same precision as the update, so the ratio starts at 1
-            traj = self.sampler.rollout(
-                model, codec, st.train_set, mine, latent_shape=self.latent_shape, seed=seed, iteration=it,
-                device=st.device, sample_offset=offset,
-                on_batch=lambda b: self.scorer.submit(b.images, b.prompts, {"sample_ids": b.sample_ids}),
-                record_uncond=records_uncond(self.perf, cfg.grpo.detach_uncond, ro.guidance_scale))
+        batch = self.engine.collect(it)
         t1 = time.perf_counter()
-        total, raw, group_ids = self.ranks.gather(*self.scorer.gather(), traj.group_ids)  # all ranks' samples
+        picked, traj, total, raw, group_ids = batch.picked, batch.traj, batch.total, batch.raw, batch.group_ids
         truncated = fractions(self.ranks.sum_counts(take_truncation_counts(self.rewards.models)))
         check_prompts = getattr(st.encoder, "check_truncation", None)  # every rank drew the same prompts
         text_truncated = check_prompts([st.train_set.captions[i] for i in picked]) if check_prompts else None
@@ -215,12 +224,16 @@ class GRPORun:
         mask = parts.selection(total, adv, valid, zero, group_ids)
         adv, mask = self.ranks.local(adv, ro.group_size), self.ranks.local(mask, ro.group_size)
         t2 = time.perf_counter()
-        stats = self.update(st.policy, self.rt, traj, adv.to(st.device), mask.to(st.device),
-                            transitions=self.sampler.train_transitions(seed, it),
-                            mini_batch_size=cfg.train.batch_size // self.ranks.dp_size, seed=seed, iteration=it,
+        layout = dict(transitions=self.sampler.train_transitions(seed, it),
+                      mini_batch_size=cfg.train.batch_size // self.ranks.dp_size, seed=seed, iteration=it)
+        if cfg.grpo.old_log_prob == "recompute":
+            self.update.recompute_old_log_probs(st.policy, self.rt, traj, **layout)
+        t_old = time.perf_counter()
+        stats = self.update(st.policy, self.rt, traj, adv.to(st.device), mask.to(st.device), **layout,
                             dp_group=self.ranks.mesh.dp_group if self.ranks.distributed else None)
         t3 = time.perf_counter()
         self.step = it = it + 1
+        self.engine.trained(it)
         diversity = group_diversity(traj.images, traj.group_ids)  # this rank's groups
         if self.guard is not None:
             self.guard.observe(diversity)
@@ -229,9 +242,8 @@ class GRPORun:
             extra["text_encoder_truncated_frac"] = text_truncated
         return {**reward_stats(total, raw), **summarize(stats), **extra, "zero_spread_frac": float(zero.float().mean()),
                 "samples": self.n, "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
-                "time_rollout_s": t1 - t0 - codec.seconds, "time_decode_s": codec.seconds,
-                "time_reward_wait_s": self.scorer.wait_seconds, "time_advantage_s": t2 - t1,
-                "time_train_s": t3 - t2, "peak_rss_mb": peak_rss_mb()}
+                **batch.metrics, "time_advantage_s": t2 - t1, "time_old_log_prob_s": t_old - t2,
+                "time_train_s": t3 - t_old, "peak_rss_mb": peak_rss_mb()}
 
     def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`),
@@ -255,6 +267,7 @@ class GRPORun:
     def finish(self) -> Path:
         """Final held-out grid, ``lora/`` and the merged ``export/``; returns the export folder."""
         self.scorer.close()
+        self.engine.close()
         final = self.rt.sampling_model().eval()
         if self.guard is not None:
             self.guard.finish(final, self.logger)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from posttrain.perf import PerfConfig, records_uncond
+from posttrain.rollout_correction import CorrectionConfig, correction_weights
 from pretrain.seeding import generator_for
 from rollout.branches import CFGBranches
 from rollout.sampler import log_prob
@@ -28,10 +29,18 @@ class GRPOAlgorithmConfig:
     ``dgpo`` (DGPO), which need none (:mod:`posttrain.forward_update`). ``inner_epochs``: passes over
     the buffer per iteration;
     ``detach_uncond``: no gradient through the unconditional CFG branch (default; false = flow_grpo's
-    behaviour, gradients through both branches; the loss value is the same either way)."""
+    behaviour, gradients through both branches; the loss value is the same either way).
+    ``old_log_prob``: ``rollout`` (the rollout's log-probs are the PPO ratio's denominator, as
+    Flow-GRPO) or ``recompute`` (pi_old recomputed in training's own batch layout and precision before
+    the update, so the first ratio is 1 whatever kernels, batch size or precision the rollout ran
+    with; costs one no-grad forward per trained transition). ``rollout_correction``
+    (:class:`posttrain.rollout_correction.CorrectionConfig`): how samples of an older policy version are
+    weighted (``rollout.mode`` one_step_off / async)."""
 
     inner_epochs: int = 1
     detach_uncond: bool = True
+    old_log_prob: str = "rollout"
+    rollout_correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     advantage: dict[str, Any] = field(default_factory=lambda: {"name": "group"})
     selection: dict[str, Any] = field(default_factory=lambda: {"name": "all"})
     loss: dict[str, Any] = field(default_factory=lambda: {"name": "ppo_clip_kl"})
@@ -41,6 +50,8 @@ class GRPOAlgorithmConfig:
         ``config.yaml`` records every option the parts ran with."""
         if self.inner_epochs < 1:
             raise ValueError(f"{prefix}inner_epochs: must be >= 1")
+        if self.old_log_prob not in ("rollout", "recompute"):
+            raise ValueError(f"{prefix}old_log_prob: '{self.old_log_prob}' is not one of rollout, recompute")
         parts = self.build(prefix)
         for key in ("advantage", "selection", "loss"):
             options = getattr(getattr(parts, key), "cfg", None)
@@ -75,20 +86,39 @@ class GRPOParts:
 
 
 def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: torch.Tensor, mask: torch.Tensor,
-                    *, loss, branches: CFGBranches):
+                    *, loss, branches: CFGBranches, correction: CorrectionConfig | None = None, version: int = 0):
     """``loss`` (a registered policy loss) of a mini-batch over transition(s) ``t`` (one or a list,
     computed in one forward; the mean over k transitions equals the mean of k single-transition
     losses): the policy's recomputed steps through ``branches``, the reference model's (adapters
-    disabled, or the frozen copy) when the loss needs them. Returns (float32 loss, stats)."""
+    disabled, or the frozen copy) when the loss needs them. The old log-probs are
+    ``traj.old_log_probs`` when recomputed, else the rollout's. Samples whose ``traj.versions`` is
+    below ``version`` (drawn by an older policy) are weighted by ``correction``
+    (:func:`posttrain.rollout_correction.correction_weights`, folded into the advantages). Returns
+    (float32 loss, stats)."""
     ts = [t] if isinstance(t, int) else list(t)
     k = len(ts)
     new = log_prob(branches, traj, ts)
-    old = traj.log_probs[:, ts].transpose(0, 1).reshape(-1)
+
+    def rows(buf: torch.Tensor) -> torch.Tensor:  # [B, T] -> [k * B], transition-major like log_prob's rows
+        return buf[:, ts].transpose(0, 1).reshape(-1)
+
+    behaviour = rows(traj.log_probs)
+    old = behaviour if traj.old_log_probs is None else rows(traj.old_log_probs)
+    adv, keep = advantages.repeat(k), mask.repeat(k)
+    extra = {}
+    if correction is not None and traj.versions is not None:
+        stale = (traj.versions.to(adv.device) < version).repeat(k)
+        w, inside = correction_weights(correction, old, behaviour, stale)
+        adv, keep = adv * w.to(adv.device), keep & inside.to(keep.device)
+        if bool(stale.any()):
+            extra = {"is_weight_mean": float(w[stale].mean()), "is_weight_max": float(w[stale].max()),
+                     "rejected_frac": float((~inside[stale]).float().mean())}
     ref = None
     if getattr(loss, "needs_reference", False):
         with torch.no_grad(), policy.reference() as ref_model:
             ref = log_prob(ref_model, traj, ts)
-    return loss(new, old, advantages.repeat(k), mask.repeat(k), ref)
+    value, stats = loss(new, old, adv, keep, ref)
+    return value, {**stats, **extra}
 
 
 def merge_stats(acc: dict, stats: dict, weight: float) -> None:
@@ -97,7 +127,7 @@ def merge_stats(acc: dict, stats: dict, weight: float) -> None:
     for key, v in stats.items():
         if key == "ratio_min":
             acc[key] = min(acc.get(key, v), v)
-        elif key == "ratio_max":
+        elif key.endswith("_max"):
             acc[key] = max(acc.get(key, v), v)
         else:
             acc[key] = acc.get(key, 0.0) + v * weight
@@ -155,7 +185,8 @@ class GRPOUpdate:
                     share = len(chunk) / len(transitions)
                     with runtime.autocast():
                         loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx],
-                                                      loss=self.parts.loss, branches=branches)
+                                                      loss=self.parts.loss, branches=branches,
+                                                      correction=self.cfg.rollout_correction, version=iteration)
                     runtime.backward(loss * share * weight)
                     pending += loss.item() * share / accum
                     merge_stats(mb_stats, stats, share)
@@ -166,6 +197,36 @@ class GRPOUpdate:
                     traj.uncond_velocities = None  # stale from here on; frees the buffer
                 out.append(mb_stats)
         return out
+
+    @torch.no_grad()
+    def recompute_old_log_probs(self, policy, runtime, traj: Trajectory, *, transitions: list[int],
+                                mini_batch_size: int, seed: int, iteration: int) -> None:
+        """``grpo.old_log_prob: recompute``: set ``traj.old_log_probs`` (float32 ``[B, T]``, NaN at
+        transitions not in ``transitions``) to the current policy's log-probs, computed exactly as the
+        first inner epoch of :meth:`__call__` will compute them (its mini-batches, transition chunks,
+        CFG branches and autocast), so the first mini-batch's ratio is 1 up to autograd's effect on
+        the kernels, whatever the rollout ran with. Only for log-prob losses (not the forward-process
+        updates)."""
+        perf, n = self.perf, len(traj)
+        old = torch.full_like(traj.log_probs, float("nan"), dtype=torch.float32)
+        reuse = traj.uncond_velocities is not None and records_uncond(perf, self.cfg.detach_uncond,
+                                                                      traj.settings.guidance_scale)
+        policy.model.train()
+        perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, 0))
+        per = perf.transitions_per_forward or len(transitions)
+        for start in range(0, n, mini_batch_size):
+            idx = perm[start:start + mini_batch_size]
+            mb, rows = traj.select(idx), idx.to(old.device)
+            branches = CFGBranches(policy.model, self.cfg.detach_uncond,
+                                   policy.inference_model(runtime.step) if perf.merge_lora else None,
+                                   perf.uncond_in_batch, reuse)
+            for c in range(0, len(transitions), per):
+                chunk = transitions[c:c + per]
+                with runtime.autocast():
+                    lp = log_prob(branches, mb, chunk).log_prob.float().reshape(len(chunk), len(idx))
+                for j, t in enumerate(chunk):
+                    old[rows, t] = lp[j].to(old.device)
+        traj.old_log_probs = old
 
 
 def _global_count_weight(mask: torch.Tensor, dp_group) -> float:

@@ -37,7 +37,14 @@ class RolloutConfig:
       change, nor do their log-probs. Refused without an ``sde_window`` (every transition is then
       stochastic: there is nothing for it to solve).
 
-    Batch: ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a time."""
+    Batch: ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a time.
+
+    Engine (:mod:`posttrain.engines`; not recorded on trajectories): ``engine`` ``local`` (every
+    trainer rank samples its share, the default) or ``ray`` (``workers`` Ray actors with ``num_cpus`` /
+    ``num_gpus`` each, in one placement group; ``ray_address`` or ``RAY_ADDRESS`` joins a running
+    cluster, else a local one is started); ``mode`` ``sync`` (on-policy), ``one_step_off`` (iteration
+    k + 1 samples while k trains) or ``async`` (up to ``max_staleness`` iterations ahead); the last two
+    need ``engine: ray``."""
 
     step: str = "sde"
     num_inference_steps: int = 10
@@ -53,6 +60,13 @@ class RolloutConfig:
     shared_initial_noise: bool = False
     sde_window: WindowConfig = field(default_factory=WindowConfig)
     ode_solver: str = "euler"
+    engine: str = "local"
+    workers: int = 2
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    mode: str = "sync"
+    max_staleness: int = 2
+    ray_address: str | None = None
 
     def validate(self, prefix: str = "") -> None:
         from rollout.ode_solver import get_ode_solver
@@ -65,6 +79,7 @@ class RolloutConfig:
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
         get_ode_solver(self.ode_solver, f"{prefix}ode_solver")
+        self.check_engine(prefix)
         if getattr(step, "deterministic", False):  # every transition is taken by ode_solver: nothing stochastic
             if self.sde_window.size:
                 raise ValueError(f"{prefix}sde_window: step '{self.step}' is deterministic: no transition is "
@@ -87,3 +102,19 @@ class RolloutConfig:
         if self.sde_window.size and self.timestep_selection != "first":
             raise ValueError(f"{prefix}timestep_selection: with an sde_window the window's transitions are "
                              f"trained; '{self.timestep_selection}' does not apply")
+
+    def check_engine(self, prefix: str = "") -> None:
+        """``ValueError`` naming the key for an unknown engine or mode, a mode the engine cannot run,
+        or resources out of range."""
+        if self.engine not in ("local", "ray"):
+            raise ValueError(f"{prefix}engine: '{self.engine}' is not one of local, ray")
+        if self.mode not in ("sync", "one_step_off", "async"):
+            raise ValueError(f"{prefix}mode: '{self.mode}' is not one of sync, one_step_off, async")
+        if self.mode != "sync" and self.engine != "ray":
+            raise ValueError(f"{prefix}mode: '{self.mode}' samples while the trainer trains, which needs "
+                             f"{prefix}engine: ray (the local engine samples on the trainer's own ranks)")
+        if self.workers < 1 or self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"{prefix}workers must be >= 1 and num_cpus / num_gpus >= 0, got workers={self.workers}, "
+                             f"num_cpus={self.num_cpus}, num_gpus={self.num_gpus}")
+        if self.mode == "async" and self.max_staleness < 1:
+            raise ValueError(f"{prefix}max_staleness: must be >= 1 in async mode, got {self.max_staleness}")

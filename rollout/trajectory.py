@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,11 @@ class Trajectory:
     [0, 1] (videos ``[B, F, 3, H, W]``); ``prompts``: B strings; ``group_ids``: long ``[B]`` (prompt
     group); ``sample_ids``: long ``[B]`` global sample indices (the seeding key); ``uncond_velocities``:
     float32 ``[B, T, *latent]``, the unconditional CFG branch's velocity at latents[:, t], when the
-    rollout recorded it (``record_uncond``), else None."""
+    rollout recorded it (``record_uncond``), else None; ``versions``: long ``[B]``, the policy version
+    (iterations trained) each sample was drawn with, when a rollout engine records it (None = the
+    current policy's); ``old_log_probs``: float32 ``[B, T]``, the log-probs of the policy at the start of
+    the update recomputed in training's layout (``grpo.old_log_prob: recompute``; NaN at transitions not
+    trained), else None (``log_probs``, the behaviour policy's, serve as the old ones)."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
@@ -79,6 +84,8 @@ class Trajectory:
     group_ids: torch.Tensor
     sample_ids: torch.Tensor
     uncond_velocities: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -88,6 +95,17 @@ class Trajectory:
         """The schedule the trajectory was sampled on, float32 ``[T + 1]``."""
         return self.settings.sigmas
 
+    def to(self, device) -> "Trajectory":
+        """A copy with every tensor (settings and embeddings included) on ``device``."""
+        def move(t):
+            return None if t is None else t.to(device)
+
+        s = self.settings
+        settings = dataclasses.replace(s, negative=s.negative.to(device))
+        return Trajectory(move(self.latents), move(self.log_probs), settings, self.embeds.to(device),
+                          move(self.images), list(self.prompts), move(self.group_ids), move(self.sample_ids),
+                          move(self.uncond_velocities), move(self.versions), move(self.old_log_probs))
+
     def select(self, idx: torch.Tensor) -> "Trajectory":
         """The samples at ``idx`` (long ``[k]``), same settings."""
         idx = torch.as_tensor(idx, dtype=torch.long)
@@ -95,7 +113,8 @@ class Trajectory:
         return Trajectory(self.latents[dev], self.log_probs[dev], self.settings, self.embeds[dev],
                           self.images[idx.to(self.images.device)], [self.prompts[i] for i in idx.tolist()],
                           self.group_ids[idx], self.sample_ids[idx],
-                          None if self.uncond_velocities is None else self.uncond_velocities[dev])
+                          _take(self.uncond_velocities, dev), _take(self.versions, idx),
+                          _take(self.old_log_probs, dev))
 
     @staticmethod
     def cat(items: list["Trajectory"]) -> "Trajectory":
@@ -107,9 +126,18 @@ class Trajectory:
             PromptEmbeds.cat([t.embeds for t in items]), torch.cat([t.images for t in items]),
             [p for t in items for p in t.prompts], torch.cat([t.group_ids for t in items]),
             torch.cat([t.sample_ids for t in items]),
-            None if any(t.uncond_velocities is None for t in items)
-            else torch.cat([t.uncond_velocities for t in items]),
+            _cat([t.uncond_velocities for t in items]), _cat([t.versions for t in items]),
+            _cat([t.old_log_probs for t in items]),
         )
+
+
+def _take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[idx.to(t.device)]
+
+
+def _cat(items: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The concatenation, or None when any item lacks the field."""
+    return None if any(t is None for t in items) else torch.cat(items)
 
 
 def train_timesteps(num_steps: int, fraction: float, mode: str = "first",

@@ -1,0 +1,86 @@
+"""The rollout worker: one Ray actor (``ray.remote(RolloutWorker)``, started by
+:class:`posttrain.engines.ray_pool.WorkerPool`) holding an inference copy of the policy (the export, the
+adapter layout of ``policy:``) and the sampler of ``rollout:``. It samples :class:`rollout.records.RolloutRequest`
+batches exactly as the colocated trainer would (same sampler code, noise keyed by global sample id,
+the trainer's precision and speed options), with the weights of the last packet it received."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+from posttrain.engines.weight_sync import WeightPacket
+from posttrain.perf import PerfConfig, records_uncond
+from posttrain.policy import Policy
+from pretrain.data.dataset import build_datasets
+from pretrain.export import load_exported
+from pretrain.runtime.precision import Precision
+from pretrain.runtime.runtime import resolve_device
+from rollout.records import RolloutRequest, RolloutResult
+from rollout.sampler import Sampler
+from rollout.timed_codec import TimedCodec
+
+
+class RolloutWorker:
+    """``cfg``: the run's :class:`posttrain.grpo.GRPOConfig`; ``perf``: the trainer's resolved speed
+    options (so the worker samples with the same function: the LoRA-merged copy or not);
+    ``record_uncond``: keep the unconditional CFG velocities (sync mode only: they are the trainer's
+    only while the weights are); ``index``: the worker's slot; ``delay_s``: seconds added to every
+    request (tests and benchmarks make one worker slow with it). Uses ``rollout.num_cpus`` threads."""
+
+    def __init__(self, cfg, perf: PerfConfig, record_uncond: bool, index: int, delay_s: float = 0.0):
+        torch.set_num_threads(max(1, int(cfg.rollout.num_cpus)))
+        self.index, self.delay_s, self.seed = index, delay_s, cfg.train.seed
+        self.device = resolve_device(cfg.train.device)
+        model, encoder, self.codec, meta = load_exported(cfg.model.pretrained, device=str(self.device),
+                                                         options=cfg.model.options)
+        self.train_set, _ = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
+        self.policy = Policy(model, cfg.policy)  # adapter layout only: the weights arrive in a packet
+        ro = cfg.rollout
+        shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
+        self.sampler = Sampler.build(ro, model, encoder, self.device, shift)
+        self.update = cfg.grpo.build().update(cfg.grpo, perf, self.policy)
+        self.precision = Precision(cfg.train.precision, self.device)
+        self.latent_shape = self.codec.latent_shape(meta["image_size"], meta["image_size"])
+        self.shared = ro.group_size if ro.shared_initial_noise else None
+        self.record_uncond = record_uncond and records_uncond(perf, cfg.grpo.detach_uncond, ro.guidance_scale)
+        self.version = -1
+
+    def ping(self) -> dict:
+        """The worker's slot, process id and weights version (a liveness check)."""
+        return {"worker": self.index, "pid": os.getpid(), "version": self.version}
+
+    def load(self, packet: WeightPacket) -> int:
+        """Apply ``packet`` (checksum checked first: :class:`posttrain.engines.weight_sync.WeightSyncError`);
+        returns the version now held."""
+        packet.apply(self.policy.model)
+        self.version = packet.version
+        return self.version
+
+    @torch.no_grad()
+    def sample(self, request: RolloutRequest, packet: WeightPacket | None = None) -> RolloutResult:
+        """Sample ``request`` (after applying ``packet`` when it is newer than the weights held).
+        ``RuntimeError`` when no weights were ever received."""
+        if packet is not None and packet.version != self.version:
+            self.load(packet)
+        if self.version < 0:
+            raise RuntimeError(f"rollout worker {self.index}: asked to sample {request.request_id} before any weights "
+                               f"were pushed")
+        t0 = time.perf_counter()
+        codec = TimedCodec(self.codec)
+        self.policy.model.eval()
+        model = self.update.rollout_model(self.policy, self.version).eval()
+        _, embeds, captions = self.train_set.batch(list(request.prompt_ids))
+        with self.precision.autocast():
+            traj = self.sampler.sample(model, codec, embeds, captions, group_ids=torch.as_tensor(request.group_ids),
+                                       sample_ids=list(request.sample_ids), latent_shape=self.latent_shape,
+                                       seed=self.seed, iteration=request.iteration, device=self.device,
+                                       shared_group_size=self.shared, record_uncond=self.record_uncond)
+        traj.versions = torch.full((len(traj),), self.version, dtype=torch.long)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return RolloutResult(request.request_id, request.iteration, traj.to("cpu"), self.version, self.index,
+                             time.perf_counter() - t0, codec.seconds)
