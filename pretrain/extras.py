@@ -16,6 +16,7 @@ EXTRAS = {  # module -> (pip extra, PyPI package)
     "datasets": ("data", "datasets"),
     "imagehash": ("data", "imagehash"),
     "torchao": ("lowp", "torchao"),
+    "ray": ("ray", "ray"),
 }
 
 

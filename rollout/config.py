@@ -44,7 +44,9 @@ class RolloutConfig:
     ``num_gpus`` each, in one placement group; ``ray_address`` or ``RAY_ADDRESS`` joins a running
     cluster, else a local one is started); ``mode`` ``sync`` (on-policy), ``one_step_off`` (iteration
     k + 1 samples while k trains) or ``async`` (up to ``max_staleness`` iterations ahead); the last two
-    need ``engine: ray``."""
+    need ``engine: ray``. ``precision``: the autocast the rollout samples in (fp32 / bf16 / fp16;
+    None = ``train.precision``); a rollout in another precision than training records log-probs the
+    update does not reproduce, which ``grpo.old_log_prob: recompute`` absorbs."""
 
     step: str = "sde"
     num_inference_steps: int = 10
@@ -67,6 +69,7 @@ class RolloutConfig:
     mode: str = "sync"
     max_staleness: int = 2
     ray_address: str | None = None
+    precision: str | None = None
 
     def validate(self, prefix: str = "") -> None:
         from rollout.ode_solver import get_ode_solver
@@ -110,9 +113,16 @@ class RolloutConfig:
             raise ValueError(f"{prefix}engine: '{self.engine}' is not one of local, ray")
         if self.mode not in ("sync", "one_step_off", "async"):
             raise ValueError(f"{prefix}mode: '{self.mode}' is not one of sync, one_step_off, async")
+        if self.engine == "ray":
+            from pretrain.extras import require
+
+            require("ray", f"{prefix}engine: ray")
         if self.mode != "sync" and self.engine != "ray":
             raise ValueError(f"{prefix}mode: '{self.mode}' samples while the trainer trains, which needs "
                              f"{prefix}engine: ray (the local engine samples on the trainer's own ranks)")
+        if self.precision not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16 (or null: "
+                             f"train.precision)")
         if self.workers < 1 or self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"{prefix}workers must be >= 1 and num_cpus / num_gpus >= 0, got workers={self.workers}, "
                              f"num_cpus={self.num_cpus}, num_gpus={self.num_gpus}")

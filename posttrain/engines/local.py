@@ -8,6 +8,7 @@ import time
 
 from posttrain.engines import RolloutBatch
 from posttrain.perf import records_uncond
+from pretrain.runtime.precision import Precision
 from rollout.timed_codec import TimedCodec
 
 
@@ -30,7 +31,7 @@ class LocalEngine:
         # every rank draws the same prompts and samples its share, noise keyed by global sample index
         picked = run.prompts.next(ro.prompts_per_step)
         mine, offset = run.ranks.prompt_share(picked, ro.group_size)
-        with run.rt.autocast():  # the same precision as the update, so the ratio starts at 1
+        with Precision(ro.precision or cfg.train.precision, st.device).autocast():  # default: the update's
             traj = run.sampler.rollout(
                 model, codec, st.train_set, mine, latent_shape=run.latent_shape, seed=run.seed, iteration=iteration,
                 device=st.device, sample_offset=offset,

@@ -61,7 +61,7 @@ class RayEngine:
         self.ahead = AHEAD[self.ro.mode](self.ro)
         self.picks: dict[int, list[int]] = {}  # queued iterations not trained yet -> their prompts
         self.queued: set[int] = set()
-        self.pool = None
+        self.pool, self.started = None, False
         self.scores: dict[str, Future | tuple] = {}
         workers = run.cfg.perf.reward_workers
         self.scoring = ThreadPoolExecutor(workers, thread_name_prefix="reward") if workers and run.ranks.is_main else None
@@ -120,8 +120,9 @@ class RayEngine:
     def collect(self, iteration: int) -> RolloutBatch:
         """Every rank: the iteration's samples (this rank's share), and all rewards."""
         run, ro = self.run, self.ro
-        if not self.queued:
+        if not self.started:
             self._start(iteration)
+            self.started = True
         self._queue(iteration)
         picked = self.picks.pop(iteration)
         self.queued.discard(iteration)

@@ -43,7 +43,7 @@ class RolloutWorker:
         shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
         self.sampler = Sampler.build(ro, model, encoder, self.device, shift)
         self.update = cfg.grpo.build().update(cfg.grpo, perf, self.policy)
-        self.precision = Precision(cfg.train.precision, self.device)
+        self.precision = Precision(ro.precision or cfg.train.precision, self.device)
         self.latent_shape = self.codec.latent_shape(meta["image_size"], meta["image_size"])
         self.shared = ro.group_size if ro.shared_initial_noise else None
         self.record_uncond = record_uncond and records_uncond(perf, cfg.grpo.detach_uncond, ro.guidance_scale)

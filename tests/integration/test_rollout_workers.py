@@ -1,0 +1,114 @@
+"""Rollout workers on Ray (local cluster, tiny preset): sync with 2 workers equals the colocated run,
+one_step_off / async staleness with a slow worker, a worker killed mid-iteration, and a corrupted
+weight push caught by its checksum."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from posttrain.engines.weight_sync import WeightPacket, WeightSyncError  # noqa: E402
+from posttrain.grpo import GRPORun  # noqa: E402
+from pretrain.runtime.loop import run_stage  # noqa: E402
+from pretrain.runtime.metrics import read_metrics  # noqa: E402
+from tests.conftest import grpo_config  # noqa: E402
+
+RAY = ("rollout.engine=ray", "rollout.workers=2", "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from posttrain.engines.ray_pool import start_ray
+
+    started = start_ray(None, 4)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _lora(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "grpo" / "lora" / "pytorch_lora_weights.safetensors"))
+
+
+def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, ray_cluster):
+    local = GRPORun(grpo_config(tmp_path / "local", tiny_export, "train.threads=1", "eval.grid_prompts=4",
+                                "checkpoint.every=0"))
+    workers = GRPORun(grpo_config(tmp_path / "ray", tiny_export, *RAY))
+    a, b = local.engine.collect(0), workers.engine.collect(0)
+    assert torch.equal(a.traj.images, b.traj.images) and torch.equal(a.traj.latents, b.traj.latents)
+    assert torch.equal(a.traj.log_probs, b.traj.log_probs)
+    assert torch.equal(a.total, b.total) and torch.equal(a.group_ids, b.group_ids)
+    adv = [r.parts.advantage(x.total, x.raw, r.rewards.weights, x.group_ids,
+                             torch.as_tensor(x.picked)[x.group_ids])[0] for r, x in ((local, a), (workers, b))]
+    assert torch.equal(adv[0], adv[1])
+    assert b.metrics["rollout_requests_per_worker"] == "1,1"  # 16 samples in two requests of 8, one each
+    # a LoRA push carries the adapter tensors only
+    adapters = {n: p for n, p in workers.st.policy.model.named_parameters() if "lora_" in n}
+    assert b.metrics["weight_sync_tensors"] == len(adapters)
+    assert b.metrics["weight_sync_bytes"] == sum(p.numel() * p.element_size() for p in adapters.values())
+    local.engine.close()
+    workers.engine.close()
+    # two whole iterations each: the LoRA within 1e-6, every iteration on-policy (no importance weight)
+    run_stage(GRPORun(grpo_config(tmp_path / "local2", tiny_export, "train.threads=1", "eval.grid_prompts=4",
+                                  "checkpoint.every=0")))
+    run_stage(GRPORun(grpo_config(tmp_path / "ray2", tiny_export, *RAY)))
+    la, lb = _lora(tmp_path / "local2"), _lora(tmp_path / "ray2")
+    assert la.keys() == lb.keys()
+    assert max((la[k] - lb[k]).abs().max().item() for k in la) <= 1e-6
+    records = read_metrics(tmp_path / "ray2" / "grpo" / "metrics.jsonl")
+    assert [r["staleness_max"] for r in records] == [0, 0]
+    assert not any("is_weight_mean" in r for r in records)
+
+
+@pytest.mark.parametrize("mode,k", [("one_step_off", 1), ("async", 2)])
+def test_stale_modes_keep_staleness_within_bound_with_a_slow_worker(tiny_export, tmp_path, ray_cluster,
+                                                                     monkeypatch, mode, k):
+    monkeypatch.setenv("POSTTRAIN_SLOW_WORKER", "1:0.3")
+    run = GRPORun(grpo_config(tmp_path / mode, tiny_export, *RAY, "train.steps=4", f"rollout.mode={mode}",
+                              "rollout.max_staleness=2", "rollout.batch_size=4", "grpo.old_log_prob=recompute"))
+    run_stage(run)
+    records = read_metrics(tmp_path / mode / "grpo" / "metrics.jsonl")
+    staleness = [r["staleness_max"] for r in records]
+    assert max(staleness) == k and all(s <= k for s in staleness), staleness
+    assert staleness[0] == 0  # the first iteration is sampled by the initial weights
+    stale = [r for r in records if r["staleness_max"] > 0]
+    assert all(0 < r["is_weight_max"] <= 2.0 for r in stale)  # truncated at the default cap
+    # the fast worker took more of the requests than the slow one in async mode
+    if mode == "async":
+        counts = [list(map(int, r["rollout_requests_per_worker"].split(","))) for r in records]
+        assert sum(c[0] for c in counts) > sum(c[1] for c in counts), counts
+
+
+def test_a_worker_killed_mid_iteration_is_replaced_and_no_sample_is_lost(tiny_export, tmp_path, ray_cluster,
+                                                                          monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_SLOW_WORKER", "0:2.0")
+    run = GRPORun(grpo_config(tmp_path / "kill", tiny_export, *RAY, "rollout.batch_size=4"))
+    killed = threading.Event()
+
+    def kill_when_busy():
+        while run.engine.pool is None or not any(w == 0 for w, _ in list(run.engine.pool.busy.values())):
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside worker 0's request
+        run.engine.pool.kill(0)
+        killed.set()
+
+    threading.Thread(target=kill_when_busy, daemon=True).start()
+    batch = run.engine.collect(0)
+    assert killed.is_set()
+    assert sorted(batch.traj.sample_ids.tolist()) == list(range(16))  # each once
+    assert batch.metrics["worker_restarts"] == 1 and run.engine.pool.duplicates == 0
+    assert torch.isfinite(batch.total).all()
+    # a corrupted push is refused by the worker's checksum and reaches the trainer as an error
+    packet = WeightPacket.build(run.st.policy.model, 1, lora=True)
+    name = next(iter(packet.tensors))
+    packet.tensors[name] = packet.tensors[name] + 1e-3
+    run.engine.pool.publish(packet)
+    run.engine._queue(1)
+    with pytest.raises(WeightSyncError, match="checksum"):
+        run.engine.collect(1)
+    run.engine.close()

@@ -1,0 +1,26 @@
+"""`benchmarks/rollout_workers.py` runs at tiny size: colocated, sync and one_step_off each train, the
+one-step-off run's samples are one iteration stale, and the comparison line is printed."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_rollout_workers_benchmark_runs_at_tiny_size(tiny_export, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "benchmarks/rollout_workers.py", "--export", str(tiny_export),
+                           "--iterations", "1", "--steps", "3", "--latency", "0.05", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x max(rollout" in proc.stdout and "of the sync run" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["sync"]["staleness_max"] == 0 and res["one_step_off"]["staleness_max"] == 1
+    assert all(res[m]["iteration_s"] > 0 and res[m]["samples"] == 16 for m in ("colocated", "sync", "one_step_off"))
