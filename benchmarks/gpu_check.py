@@ -163,6 +163,7 @@ def grpo_checks(export: Path, base: list[str], work: Path, device: str, iteratio
                     assert torch.isfinite(new).all()
                     worst = max(worst, float((new - mb.log_probs[:, t]).abs().max()))
         out[f"grpo_logprob_max_abs_diff_{name}"] = worst
+    out.update(first_ratio_drift(export, base, work))
     run = work / "grpo"
     cfg = load_config(GRPOConfig, "configs/grpo/emoji_tiny.yaml", [
         f"run_dir={run}", f"model.pretrained={export}", *[b for b in base if not b.startswith(("data.size", "text_encoder."))],
@@ -173,6 +174,28 @@ def grpo_checks(export: Path, base: list[str], work: Path, device: str, iteratio
     recs = read_metrics(run / "grpo/metrics.jsonl")
     out["grpo_tiny_iteration_s"] = [round(r["time_rollout_s"] + r["time_decode_s"] + r["time_reward_wait_s"] + r["time_train_s"], 3) for r in recs]
     out["grpo_tiny_wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def first_ratio_drift(export: Path, base: list[str], work: Path) -> dict:
+    """bf16 GRPO, one iteration whose every mini-batch comes before the optimizer step (rollout batches
+    of 32, training mini-batches of 8, accumulation 4): the largest |ratio - 1| with the rollout's
+    log-probs against ``grpo.old_log_prob: recompute``, and the recomputation's cost."""
+    from posttrain.grpo import GRPOConfig, GRPORun
+    from pretrain.config import load_config
+
+    out = {}
+    for old in ("rollout", "recompute"):
+        cfg = load_config(GRPOConfig, "configs/grpo/emoji_tiny.yaml", [
+            f"run_dir={work / ('drift_' + old)}", f"model.pretrained={export}",
+            *[b for b in base if not b.startswith(("data.size", "text_encoder."))], "train.precision=bf16",
+            "rollout.num_inference_steps=10", "rollout.prompts_per_step=8", "rollout.group_size=4",
+            "rollout.batch_size=32", "train.batch_size=8", "train.grad_accum=4", "perf.reuse_rollout_uncond=false",
+            f"grpo.old_log_prob={old}", "train.steps=1", "checkpoint.every=0", "eval.every=0"])
+        m = GRPORun(cfg).train_step()
+        out[f"grpo_bf16_first_ratio_drift_{old}"] = max(abs(m["ratio_max"] - 1), abs(m["ratio_min"] - 1))
+        out[f"grpo_bf16_time_old_log_prob_s_{old}"] = round(m["time_old_log_prob_s"], 4)
+        out[f"grpo_bf16_time_train_s_{old}"] = round(m["time_train_s"], 4)
     return out
 
 

@@ -44,7 +44,10 @@ class RolloutConfig:
     ``num_gpus`` each, in one placement group; ``ray_address`` or ``RAY_ADDRESS`` joins a running
     cluster, else a local one is started); ``mode`` ``sync`` (on-policy), ``one_step_off`` (iteration
     k + 1 samples while k trains) or ``async`` (up to ``max_staleness`` iterations ahead); the last two
-    need ``engine: ray``. ``precision``: the autocast the rollout samples in (fp32 / bf16 / fp16;
+    need ``engine: ray``. ``weight_sync``: how a worker gets the weights after each update,
+    ``object_store`` (a packet put in Ray's object store once, fetched with a worker's next request) or
+    ``collective`` (broadcast in a gloo / NCCL process group of the trainer's rank 0 and the workers,
+    when every worker is idle). ``precision``: the autocast the rollout samples in (fp32 / bf16 / fp16;
     None = ``train.precision``); a rollout in another precision than training records log-probs the
     update does not reproduce, which ``grpo.old_log_prob: recompute`` absorbs."""
 
@@ -69,6 +72,7 @@ class RolloutConfig:
     mode: str = "sync"
     max_staleness: int = 2
     ray_address: str | None = None
+    weight_sync: str = "object_store"
     precision: str | None = None
 
     def validate(self, prefix: str = "") -> None:
@@ -120,6 +124,8 @@ class RolloutConfig:
         if self.mode != "sync" and self.engine != "ray":
             raise ValueError(f"{prefix}mode: '{self.mode}' samples while the trainer trains, which needs "
                              f"{prefix}engine: ray (the local engine samples on the trainer's own ranks)")
+        if self.weight_sync not in ("object_store", "collective"):
+            raise ValueError(f"{prefix}weight_sync: '{self.weight_sync}' is not one of object_store, collective")
         if self.precision not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16 (or null: "
                              f"train.precision)")

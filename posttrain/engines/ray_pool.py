@@ -72,6 +72,9 @@ class WorkerPool:
         self.error: BaseException | None = None
         self.restarts, self.max_restarts = [], 2 * ro.workers if max_restarts is None else max_restarts
         self.duplicates = 0
+        self.collective, self.group, self.generation, self.synced = ro.weight_sync == "collective", None, 0, -1
+        if self.collective:
+            self._form_group()
         self.cond = threading.Condition()
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name="rollout-dispatch", daemon=True)
@@ -84,12 +87,71 @@ class WorkerPool:
         return self.cls.options(num_cpus=self.ro.num_cpus, num_gpus=self.ro.num_gpus, scheduling_strategy=strategy,
                                 max_restarts=0).remote(*self.make_args(index), self.delays.get(index, 0.0))
 
+    def _form_group(self) -> None:
+        """``rollout.weight_sync: collective``: the trainer (rank 0) and every worker form a new
+        generation of the weight group (gloo, or nccl for GPU workers)."""
+        import ray
+        import torch
+
+        from posttrain.engines.weight_sync import WeightGroup
+
+        world = len(self.actors) + 1
+        backend = "nccl" if self.ro.num_gpus and torch.cuda.is_available() else "gloo"
+        if self.group is None:
+            self.host = ray.util.get_node_ip_address()
+            self.store, self.port = WeightGroup.host_store(self.host, world)
+        self.generation += 1
+        joins = [a.join_weights.remote(self.host, self.port, i + 1, world, backend, self.generation)
+                 for i, a in enumerate(self.actors)]
+        self.group = WeightGroup(self.host, self.port, 0, world, backend, self.generation, store=self.store)
+        ray.get(joins)
+        self.synced = -1  # every worker receives the next push
+
+    def _sync_collective(self, packet: WeightPacket) -> None:
+        """Broadcast ``packet`` to every (idle) worker at once; a worker that died is replaced, the group
+        formed again and the push repeated."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from posttrain.engines.weight_sync import WeightGroup
+
+        refs = [a.receive.remote(WeightGroup.meta(packet)) for a in self.actors]
+        sent: BaseException | None = None
+        try:
+            self.group.broadcast(packet)
+        except Exception as e:  # noqa: BLE001 - a member died mid-broadcast: the workers' refs say which
+            sent = e
+        try:
+            ray.get(refs)
+            if sent is not None:
+                raise sent
+        except RayActorError as e:
+            dead = [w for w, r in enumerate(refs) if not _alive(r)]
+            with self.cond:
+                self.restarts += [(w, f"weights {packet.version}", time.time()) for w in dead]
+                if len(self.restarts) > self.max_restarts:
+                    self.error = RuntimeError(f"rollout workers {dead} died receiving weights {packet.version}; "
+                                              f"{len(self.restarts)} have died in this run: {e}")
+                    self.cond.notify_all()
+                    return
+            for w in dead:
+                self.actors[w] = self._spawn(w)
+            self._form_group()
+            return
+        except BaseException as e:  # noqa: BLE001 - a refused packet, a broken group: stops the run
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+            return
+        self.synced = packet.version
+
     # -- trainer side --------------------------------------------------------------------------
     def publish(self, packet: WeightPacket) -> None:
-        """Make ``packet`` the weights every later request is sampled with (put in the object store once)."""
+        """Make ``packet`` the weights every later request is sampled with (put in the object store once;
+        with the collective path, broadcast when the workers are next idle)."""
         import ray
 
-        ref = ray.put(packet)
+        ref = packet if self.collective else ray.put(packet)
         with self.cond:
             self.latest = (packet.version, ref)
             self.cond.notify_all()
@@ -143,20 +205,35 @@ class WorkerPool:
                 return
             request = self.queue.popleft()
             version, ref = self.latest
-            packet = ref if self.held[w] != version else None
+            packet = ref if self.held[w] != version and not self.collective else None
             self.held[w] = version
             self.busy[self.actors[w].sample.remote(request, packet)] = (w, request)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - never leave the trainer waiting on a dead thread
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _serve(self) -> None:
         import ray
 
         while True:
             with self.cond:
                 if self.closed:
                     return
-                if self.error is None:
+                push = None
+                if self.collective and self.latest is not None and self.latest[0] != self.synced:
+                    push = self.latest[1] if not self.busy and self.error is None else None
+                elif self.error is None:
                     self._dispatch()
                 refs = list(self.busy)
+            if push is not None:  # every worker is idle: broadcast, then dispatch again
+                self._sync_collective(push)
+                continue
+            with self.cond:
                 if not refs:
                     self.cond.wait(timeout=0.1)
                     continue
@@ -186,6 +263,8 @@ class WorkerPool:
                     self.held[w] = -1
                     self.queue.appendleft(request)
                 self.cond.notify_all()
+            if self.collective and self.error is None:
+                self._form_group()
             return
         except BaseException as e:  # noqa: BLE001 - surfaced to the trainer by wait()
             with self.cond:
@@ -200,3 +279,17 @@ class WorkerPool:
         with self.cond:
             self.results[request.iteration][request.request_id] = result
             self.cond.notify_all()
+
+
+def _alive(ref) -> bool:
+    """False when the actor task behind ``ref`` ended with its actor's death."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(ref, timeout=60)
+    except RayActorError:
+        return False
+    except Exception:  # noqa: BLE001 - another error is not a death
+        return True
+    return True

@@ -83,3 +83,62 @@ class WeightPacket:
                                   f"does not have, first {missing[0]!r}")
         for name, t in self.tensors.items():
             own[name].copy_(t.to(own[name].device, own[name].dtype))
+
+
+class WeightGroup:
+    """The collective path: the trainer's rank 0 (group rank 0) and the workers (ranks 1..W) in a
+    process group of their own (``gloo`` on CPU, ``nccl`` on GPUs), rendezvous through a ``TCPStore``
+    the trainer hosts; a push broadcasts every tensor from rank 0, the metadata and checksum travel
+    beside it (:meth:`meta`) and each worker verifies the checksum before applying. ``generation``
+    prefixes the store keys: the group is formed again, under a new generation, when a worker is
+    replaced. Every member must call :meth:`broadcast` for the same packet at the same time."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, backend: str, generation: int,
+                 store=None, timeout_s: float = 300.0):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        self.store = store if store is not None else dist.TCPStore(host, port, None, False, timeout)
+        prefixed = dist.PrefixStore(f"weights/{generation}/", self.store)
+        self.rank, self.backend = rank, backend
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+        else:
+            self.group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    @staticmethod
+    def host_store(host: str, world: int, timeout_s: float = 300.0):
+        """The trainer's ``TCPStore`` on a free port of ``host``: (store, port)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        return store, store.port
+
+    @staticmethod
+    def meta(packet: WeightPacket) -> dict:
+        """What travels beside the tensors: version, kind, checksum, and each tensor's name, shape, dtype."""
+        return {"version": packet.version, "kind": packet.kind, "checksum": packet.checksum,
+                "tensors": [(n, tuple(t.shape), t.dtype) for n, t in sorted(packet.tensors.items())]}
+
+    def broadcast(self, packet: WeightPacket | None = None, meta: dict | None = None) -> WeightPacket:
+        """Rank 0 sends ``packet``; the others receive into tensors laid out by ``meta`` and return the
+        packet they got (call :meth:`WeightPacket.apply`, which checks the checksum)."""
+        import torch.distributed as dist
+
+        meta = meta if meta is not None else self.meta(packet)
+        out = {}
+        for name, shape, dtype in meta["tensors"]:
+            t = (packet.tensors[name].to(self.device) if self.rank == 0
+                 else torch.empty(shape, dtype=dtype, device=self.device))
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            self.group.broadcast([t], opts).wait()
+            out[name] = t.cpu()
+        return WeightPacket(meta["version"], meta["kind"], out, meta["checksum"])

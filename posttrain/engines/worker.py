@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from posttrain.engines.weight_sync import WeightPacket
+from posttrain.engines.weight_sync import WeightGroup, WeightPacket
 from posttrain.perf import PerfConfig, records_uncond
 from posttrain.policy import Policy
 from pretrain.data.dataset import build_datasets
@@ -48,6 +48,18 @@ class RolloutWorker:
         self.shared = ro.group_size if ro.shared_initial_noise else None
         self.record_uncond = record_uncond and records_uncond(perf, cfg.grpo.detach_uncond, ro.guidance_scale)
         self.version = -1
+        self.weights = None  # the collective weight group, when rollout.weight_sync is collective
+
+    def join_weights(self, host: str, port: int, rank: int, world: int, backend: str, generation: int) -> int:
+        """Join the collective weight group (:class:`posttrain.engines.weight_sync.WeightGroup`) as
+        ``rank``; returns ``rank``."""
+        self.weights = WeightGroup(host, port, rank, world, backend, generation)
+        return rank
+
+    def receive(self, meta: dict) -> int:
+        """Receive a pushed packet through the collective group (every member at once), verify and
+        apply it; returns the version now held."""
+        return self.load(self.weights.broadcast(meta=meta))
 
     def ping(self) -> dict:
         """The worker's slot, process id and weights version (a liveness check)."""

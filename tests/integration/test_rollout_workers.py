@@ -53,16 +53,19 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
     assert b.metrics["weight_sync_bytes"] == sum(p.numel() * p.element_size() for p in adapters.values())
     local.engine.close()
     workers.engine.close()
-    # two whole iterations each: the LoRA within 1e-6, every iteration on-policy (no importance weight)
+    # two whole iterations each, weights pushed through the object store or broadcast: the LoRA within 1e-6,
+    # every iteration on-policy (no importance weight)
     run_stage(GRPORun(grpo_config(tmp_path / "local2", tiny_export, "train.threads=1", "eval.grid_prompts=4",
                                   "checkpoint.every=0")))
-    run_stage(GRPORun(grpo_config(tmp_path / "ray2", tiny_export, *RAY)))
-    la, lb = _lora(tmp_path / "local2"), _lora(tmp_path / "ray2")
-    assert la.keys() == lb.keys()
-    assert max((la[k] - lb[k]).abs().max().item() for k in la) <= 1e-6
-    records = read_metrics(tmp_path / "ray2" / "grpo" / "metrics.jsonl")
-    assert [r["staleness_max"] for r in records] == [0, 0]
-    assert not any("is_weight_mean" in r for r in records)
+    la = _lora(tmp_path / "local2")
+    for sync in ("object_store", "collective"):  # the collective path: a gloo group of the trainer and workers
+        run_stage(GRPORun(grpo_config(tmp_path / sync, tiny_export, *RAY, f"rollout.weight_sync={sync}")))
+        lb = _lora(tmp_path / sync)
+        assert la.keys() == lb.keys()
+        assert max((la[k] - lb[k]).abs().max().item() for k in la) <= 1e-6, sync
+        records = read_metrics(tmp_path / sync / "grpo" / "metrics.jsonl")
+        assert [r["staleness_max"] for r in records] == [0, 0]
+        assert not any("is_weight_mean" in r for r in records)
 
 
 @pytest.mark.parametrize("mode,k", [("one_step_off", 1), ("async", 2)])
@@ -84,10 +87,12 @@ def test_stale_modes_keep_staleness_within_bound_with_a_slow_worker(tiny_export,
         assert sum(c[0] for c in counts) > sum(c[1] for c in counts), counts
 
 
+@pytest.mark.parametrize("sync", ["object_store", "collective"])
 def test_a_worker_killed_mid_iteration_is_replaced_and_no_sample_is_lost(tiny_export, tmp_path, ray_cluster,
-                                                                          monkeypatch):
+                                                                          monkeypatch, sync):
     monkeypatch.setenv("POSTTRAIN_SLOW_WORKER", "0:2.0")
-    run = GRPORun(grpo_config(tmp_path / "kill", tiny_export, *RAY, "rollout.batch_size=4"))
+    run = GRPORun(grpo_config(tmp_path / "kill", tiny_export, *RAY, "rollout.batch_size=4",
+                              f"rollout.weight_sync={sync}"))
     killed = threading.Event()
 
     def kill_when_busy():
