@@ -54,7 +54,10 @@ def iteration_requests(iteration: int, picked: list[int], group_size: int, batch
 
 
 class RayEngine:
-    """The Ray engine of a :class:`posttrain.grpo.GRPORun`; every rank builds one, rank 0 owns the pool."""
+    """The Ray engine of a :class:`posttrain.grpo.GRPORun`; every rank builds one, rank 0 owns the pool.
+    Checkpointed: the prompts of queued iterations (a checkpoint of the local engine has none)."""
+
+    state_optional = True
 
     def __init__(self, run):
         self.run, self.ro = run, run.cfg.rollout

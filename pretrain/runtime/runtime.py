@@ -263,8 +263,12 @@ class Runtime:
             self.ema.load_state_dict(state["ema"])
         if self.precision.scaler is not None:
             self.precision.scaler.load_state_dict(state["scaler"])
+        saved = own_rank(state["stateful"])
         for k, v in self.stateful.items():
-            v.load_state_dict(own_rank(state["stateful"])[k])
+            if k in saved:
+                v.load_state_dict(saved[k])
+            elif not getattr(v, "state_optional", False):  # e.g. a rollout engine's queue: empty when absent
+                raise KeyError(f"the checkpoint holds no state for '{k}' (it has {sorted(saved)})")
         set_rng_state(own_rank(state["rng"]))
 
     def start(self, resume: bool) -> Path | None:

@@ -66,6 +66,13 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
         records = read_metrics(tmp_path / sync / "grpo" / "metrics.jsonl")
         assert [r["staleness_max"] for r in records] == [0, 0]
         assert not any("is_weight_mean" in r for r in records)
+    # a run checkpointed on the local engine resumes on the workers and ends where the local run ends
+    args = ("train.threads=1", "eval.grid_prompts=4", "checkpoint.every=1")
+    run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=1")))
+    run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=2", "checkpoint.resume=true",
+                                  "rollout.engine=ray", "rollout.workers=2")))
+    lc = _lora(tmp_path / "switch")
+    assert max((la[k] - lc[k]).abs().max().item() for k in la) <= 1e-6
 
 
 @pytest.mark.parametrize("mode,k", [("one_step_off", 1), ("async", 2)])
