@@ -17,6 +17,7 @@ import torch
 
 from posttrain.distributed_grpo import RankLayout
 from posttrain.engines import build_engine
+from posttrain.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo_update import GRPOAlgorithmConfig
 from posttrain.guard import Guard, group_diversity, guard_shape
 from pretrain.runtime.loop import run_stage
@@ -47,12 +48,14 @@ class GRPOConfig(StageConfig):
     ``rollout``: the sampler (:class:`rollout.config.RolloutConfig`); ``grpo``: the algorithm's
     registered parts (:class:`posttrain.grpo_update.GRPOAlgorithmConfig`); ``rewards``:
     ``{name: weight}`` (required; dict values from the command line merge into the file's, so switch
-    a reward off with weight 0). Outputs go to ``<run_dir>/grpo/``."""
+    a reward off with weight 0); ``reward_engine``: where they are scored
+    (:class:`posttrain.engines.reward_actor.RewardEngineConfig`). Outputs go to ``<run_dir>/grpo/``."""
 
     run_dir: str = "runs/grpo"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOAlgorithmConfig = field(default_factory=GRPOAlgorithmConfig)
     rewards: dict[str, Any] = field(default_factory=dict)
+    reward_engine: RewardEngineConfig = field(default_factory=RewardEngineConfig)
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
@@ -98,6 +101,9 @@ def check_engine(cfg: GRPOConfig) -> None:
     if ro.engine == "ray" and getattr(g.build().loss, "update_class", None) is not None:
         raise ValueError(f"rollout.engine: ray trains the per-transition log-prob losses; grpo.loss.name "
                          f"'{g.loss['name']}' samples with its own copy of the policy: use rollout.engine: local")
+    if cfg.reward_engine.engine == "ray" and ro.engine != "ray":
+        raise ValueError("reward_engine.engine: ray scores the rollout workers' results as they arrive; set "
+                         "rollout.engine: ray (or reward_engine.engine: local)")
     if g.old_log_prob == "recompute" and not needs_log_probs:
         raise ValueError(f"grpo.old_log_prob: recompute applies to log-prob losses, not '{g.loss['name']}'")
     if ro.mode != "sync" and g.rollout_correction.mode != "none" and g.old_log_prob != "recompute":

@@ -31,7 +31,9 @@ class PerfConfig:
     trained before the iteration's first optimizer step use them instead of a forward: the weights
     are still the rollout's, so the values are the same (up to batch-layout rounding). With one
     optimizer step per iteration (``grad_accum`` covering the buffer) no unconditional forward is
-    left in training. Only with a detached unconditional branch and not ``uncond_in_batch``."""
+    left in training. Only with a detached unconditional branch and not ``uncond_in_batch``, and not kept
+    when ``rollout.precision`` differs from ``train.precision`` or the samples are stale (Ray workers
+    in ``one_step_off`` / ``async`` mode)."""
 
     merge_lora: bool | None = None
     uncond_in_batch: bool = False

@@ -28,7 +28,7 @@ projections). ``lora_rank`` = 0: full fine-tuning with a frozen copy as referenc
 class Policy:
     """Wraps a :class:`pretrain.backbone.Backbone` ``model`` whose ``.transformer`` is a diffusers model."""
 
-    def __init__(self, model: torch.nn.Module, cfg: PolicyConfig):
+    def __init__(self, model: torch.nn.Module, cfg: PolicyConfig, reference: bool = True):
         self.model, self.cfg = model, cfg
         self.lora = cfg.lora_rank > 0
         if self.lora:
@@ -41,7 +41,8 @@ class Policy:
                                                      target_modules=list(cfg.target_modules or model.lora_targets)))
             self.frozen_reference = None
         else:
-            self.frozen_reference = copy.deepcopy(model).requires_grad_(False).eval()
+            # reference=False: no frozen copy (an inference copy such as a rollout worker's needs none)
+            self.frozen_reference = copy.deepcopy(model).requires_grad_(False).eval() if reference else None
             model.requires_grad_(True)
         self._merged: MergedCopy | None = None
 

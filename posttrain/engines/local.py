@@ -31,12 +31,14 @@ class LocalEngine:
         # every rank draws the same prompts and samples its share, noise keyed by global sample index
         picked = run.prompts.next(ro.prompts_per_step)
         mine, offset = run.ranks.prompt_share(picked, ro.group_size)
-        with Precision(ro.precision or cfg.train.precision, st.device).autocast():  # default: the update's
+        precision = ro.precision or cfg.train.precision
+        with Precision(precision, st.device).autocast():  # default: the update's, so the ratio starts at 1
             traj = run.sampler.rollout(
                 model, codec, st.train_set, mine, latent_shape=run.latent_shape, seed=run.seed, iteration=iteration,
                 device=st.device, sample_offset=offset,
                 on_batch=lambda b: run.scorer.submit(b.images, b.prompts, {"sample_ids": b.sample_ids}),
-                record_uncond=records_uncond(run.perf, cfg.grpo.detach_uncond, ro.guidance_scale))
+                record_uncond=records_uncond(run.perf, cfg.grpo.detach_uncond, ro.guidance_scale)
+                and precision == cfg.train.precision)  # reused in training only when computed alike
         t1 = time.perf_counter()
         total, raw, group_ids = run.ranks.gather(*run.scorer.gather(), traj.group_ids)  # all ranks' samples
         return RolloutBatch(picked, traj, total, raw, group_ids,

@@ -64,7 +64,7 @@ class RayEngine:
         self.ahead = AHEAD[self.ro.mode](self.ro)
         self.picks: dict[int, list[int]] = {}  # queued iterations not trained yet -> their prompts
         self.queued: set[int] = set()
-        self.pool, self.started = None, False
+        self.pool, self.started, self.reward_actors, self.scored = None, False, [], 0
         self.scores: dict[str, Future | tuple] = {}
         workers = run.cfg.perf.reward_workers
         self.scoring = ThreadPoolExecutor(workers, thread_name_prefix="reward") if workers and run.ranks.is_main else None
@@ -86,7 +86,11 @@ class RayEngine:
         run = self.run
         if run.ranks.is_main:
             cfg, perf, sync_mode = run.cfg, run.perf, self.ro.mode == "sync"
-            self.pool = WorkerPool(self.ro, lambda i: (cfg, perf, sync_mode, i), self._score, slow_workers())
+            re = cfg.reward_engine
+            extra = re.actors * re.num_cpus if re.engine == "ray" else 0.0
+            self.pool = WorkerPool(self.ro, lambda i: (cfg, perf, sync_mode, i), self._score, slow_workers(),
+                                   extra_cpus=extra)
+            self.reward_actors = start_reward_actors(cfg.reward_engine, cfg.rewards)
             run.logger.write(f"rollout engine: ray, {self.ro.workers} workers x (num_cpus={self.ro.num_cpus}, "
                              f"num_gpus={self.ro.num_gpus}), mode {self.ro.mode}"
                              + (f" (max_staleness {self.ahead})" if self.ro.mode == "async" else ""))
@@ -113,7 +117,12 @@ class RayEngine:
             if self.pool is not None:
                 self.pool.submit(iteration_requests(it, self.picks[it], ro.group_size, ro.batch_size))
 
-    def _score(self, result: RolloutResult) -> None:  # dispatcher thread, as each result arrives
+    def _score(self, result: RolloutResult, ref) -> None:  # dispatcher thread, as each result arrives
+        if self.reward_actors:  # the actor reads the result from the object store itself
+            actor = self.reward_actors[self.scored % len(self.reward_actors)]
+            self.scored += 1
+            self.scores[result.request_id] = actor.score.remote(ref)
+            return
         t = result.trajectory
         args = (t.images, t.prompts, {"sample_ids": t.sample_ids})
         self.scores[result.request_id] = (self.scoring.submit(self.run.rewards, *args) if self.scoring
@@ -158,7 +167,8 @@ class RayEngine:
         parts = []
         for r in requests:
             s = self.scores.pop(r.request_id)
-            parts.append(s.result() if isinstance(s, Future) else run.rewards(*s))
+            parts.append(s.result() if isinstance(s, Future) else run.rewards(*s) if isinstance(s, tuple)
+                         else _ray_get(s))
         total = torch.cat([t for t, _ in parts])
         raw = {name: torch.cat([p[name] for _, p in parts]) for name in parts[0][1]}
         metrics = {"time_rollout_s": t1 - t0, "time_decode_s": 0.0, "time_reward_wait_s": time.perf_counter() - t1,
@@ -174,11 +184,36 @@ class RayEngine:
         return dict(self.sync)
 
     def close(self) -> None:
+        if self.reward_actors:
+            import ray
+
+            for a in self.reward_actors:
+                ray.kill(a, no_restart=True)
+            self.reward_actors = []
         if self.pool is not None:
             self.pool.close()
             self.pool = None
         if self.scoring is not None:
             self.scoring.shutdown(wait=True)
+
+
+def start_reward_actors(cfg, rewards: dict) -> list:
+    """``reward_engine.actors`` :class:`posttrain.engines.reward_actor.RewardActor` actors (none for the
+    local reward engine); Ray is already started by the worker pool."""
+    if cfg.engine != "ray":
+        return []
+    import ray
+
+    from posttrain.engines.reward_actor import RewardActor
+
+    cls = ray.remote(RewardActor).options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
+    return [cls.remote(rewards, int(cfg.num_cpus) or 1) for _ in range(cfg.actors)]
+
+
+def _ray_get(ref):
+    import ray
+
+    return ray.get(ref)
 
 
 def _per_worker(results: list[RolloutResult], workers: int) -> str:

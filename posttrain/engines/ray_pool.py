@@ -41,18 +41,20 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
 
 class WorkerPool:
     """Rank 0's handle on the rollout workers. ``make_args(index)`` gives a worker's constructor
-    arguments; ``on_result(result)`` runs in the dispatcher thread for every new result (e.g. to start
-    scoring it). ``max_restarts``: dead workers replaced over the run before the pool gives up
-    (``RuntimeError``). ``timeout_s``: how long the placement group may take to fit."""
+    arguments; ``on_result(result, ref)`` runs in the dispatcher thread for every new result and its
+    object ref (e.g. to start scoring it). ``max_restarts``: dead workers replaced over the run before the pool gives up
+    (``RuntimeError``). ``timeout_s``: how long the placement group may take to fit. ``extra_cpus``:
+    logical CPUs a local cluster needs beyond the workers' (reward actors)."""
 
-    def __init__(self, ro, make_args: Callable[[int], tuple], on_result: Callable[[RolloutResult], None],
-                 delays: dict[int, float] | None = None, max_restarts: int | None = None, timeout_s: float = 300):
+    def __init__(self, ro, make_args: Callable[[int], tuple], on_result: Callable[[RolloutResult, object], None],
+                 delays: dict[int, float] | None = None, max_restarts: int | None = None, timeout_s: float = 300,
+                 extra_cpus: float = 0.0):
         import ray
         from ray.util.placement_group import placement_group
 
         from posttrain.engines.worker import RolloutWorker
 
-        need = int(ro.workers * max(ro.num_cpus, 1))
+        need = int(ro.workers * max(ro.num_cpus, 1) + extra_cpus + 0.999)
         self.started_ray = start_ray(ro.ray_address, max(os.cpu_count() or 1, need))
         bundle = {"CPU": ro.num_cpus, **({"GPU": ro.num_gpus} if ro.num_gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(ro.workers)], strategy="PACK")
@@ -275,7 +277,7 @@ class WorkerPool:
             if request.request_id in self.results[request.iteration]:
                 self.duplicates += 1
                 return
-        self.on_result(result)
+        self.on_result(result, ref)
         with self.cond:
             self.results[request.iteration][request.request_id] = result
             self.cond.notify_all()

@@ -18,7 +18,6 @@ from posttrain.policy import Policy
 from pretrain.data.dataset import build_datasets
 from pretrain.export import load_exported
 from pretrain.runtime.precision import Precision
-from pretrain.runtime.runtime import resolve_device
 from rollout.records import RolloutRequest, RolloutResult
 from rollout.sampler import Sampler
 from rollout.timed_codec import TimedCodec
@@ -28,17 +27,19 @@ class RolloutWorker:
     """``cfg``: the run's :class:`posttrain.grpo.GRPOConfig`; ``perf``: the trainer's resolved speed
     options (so the worker samples with the same function: the LoRA-merged copy or not);
     ``record_uncond``: keep the unconditional CFG velocities (sync mode only: they are the trainer's
-    only while the weights are); ``index``: the worker's slot; ``delay_s``: seconds added to every
-    request (tests and benchmarks make one worker slow with it). Uses ``rollout.num_cpus`` threads."""
+    only while the weights are, and only in the update's precision); ``index``: the worker's slot; ``delay_s``: seconds added to every
+    request (tests and benchmarks make one worker slow with it). Uses ``rollout.num_cpus`` threads and
+    its bundle's GPU when ``rollout.num_gpus`` > 0, else the CPU."""
 
     def __init__(self, cfg, perf: PerfConfig, record_uncond: bool, index: int, delay_s: float = 0.0):
         torch.set_num_threads(max(1, int(cfg.rollout.num_cpus)))
         self.index, self.delay_s, self.seed = index, delay_s, cfg.train.seed
-        self.device = resolve_device(cfg.train.device)
+        # the GPU of the worker's bundle when it has one (Ray sets CUDA_VISIBLE_DEVICES), else the CPU
+        self.device = torch.device("cuda" if cfg.rollout.num_gpus and torch.cuda.is_available() else "cpu")
         model, encoder, self.codec, meta = load_exported(cfg.model.pretrained, device=str(self.device),
                                                          options=cfg.model.options)
         self.train_set, _ = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
-        self.policy = Policy(model, cfg.policy)  # adapter layout only: the weights arrive in a packet
+        self.policy = Policy(model, cfg.policy, reference=False)  # the layout; the weights arrive in packets
         ro = cfg.rollout
         shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
         self.sampler = Sampler.build(ro, model, encoder, self.device, shift)
@@ -46,7 +47,8 @@ class RolloutWorker:
         self.precision = Precision(ro.precision or cfg.train.precision, self.device)
         self.latent_shape = self.codec.latent_shape(meta["image_size"], meta["image_size"])
         self.shared = ro.group_size if ro.shared_initial_noise else None
-        self.record_uncond = record_uncond and records_uncond(perf, cfg.grpo.detach_uncond, ro.guidance_scale)
+        self.record_uncond = (record_uncond and records_uncond(perf, cfg.grpo.detach_uncond, ro.guidance_scale)
+                              and (ro.precision or cfg.train.precision) == cfg.train.precision)
         self.version = -1
         self.weights = None  # the collective weight group, when rollout.weight_sync is collective
 

@@ -38,7 +38,7 @@ def _lora(run_dir):
 def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, ray_cluster):
     local = GRPORun(grpo_config(tmp_path / "local", tiny_export, "train.threads=1", "eval.grid_prompts=4",
                                 "checkpoint.every=0"))
-    workers = GRPORun(grpo_config(tmp_path / "ray", tiny_export, *RAY))
+    workers = GRPORun(grpo_config(tmp_path / "ray", tiny_export, *RAY, "reward_engine.engine=ray"))  # reward actor
     a, b = local.engine.collect(0), workers.engine.collect(0)
     assert torch.equal(a.traj.images, b.traj.images) and torch.equal(a.traj.latents, b.traj.latents)
     assert torch.equal(a.traj.log_probs, b.traj.log_probs)
