@@ -194,7 +194,7 @@ def first_ratio_drift(export: Path, base: list[str], work: Path) -> dict:
             f"grpo.old_log_prob={old}", "train.steps=1", "checkpoint.every=0", "eval.every=0"])
         m = GRPORun(cfg).train_step()
         out[f"grpo_bf16_first_ratio_drift_{old}"] = max(abs(m["ratio_max"] - 1), abs(m["ratio_min"] - 1))
-        out[f"grpo_bf16_time_old_log_prob_s_{old}"] = round(m["time_old_log_prob_s"], 4)
+        out[f"grpo_bf16_time_old_log_prob_s_{old}"] = round(m.get("time_old_log_prob_s", 0.0), 4)
         out[f"grpo_bf16_time_train_s_{old}"] = round(m["time_train_s"], 4)
     return out
 

@@ -248,8 +248,8 @@ class GRPORun:
             extra["text_encoder_truncated_frac"] = text_truncated
         return {**reward_stats(total, raw), **summarize(stats), **extra, "zero_spread_frac": float(zero.float().mean()),
                 "samples": self.n, "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
-                **batch.metrics, "time_advantage_s": t2 - t1, "time_old_log_prob_s": t_old - t2,
-                "time_train_s": t3 - t_old, "peak_rss_mb": peak_rss_mb()}
+                **batch.metrics, "time_advantage_s": t2 - t1, "time_train_s": t3 - t_old, "peak_rss_mb": peak_rss_mb(),
+                **({"time_old_log_prob_s": t_old - t2} if cfg.grpo.old_log_prob == "recompute" else {})}
 
     def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`),

@@ -129,8 +129,10 @@ class RolloutConfig:
         if self.precision not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16 (or null: "
                              f"train.precision)")
-        if self.workers < 1 or self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError(f"{prefix}workers must be >= 1 and num_cpus / num_gpus >= 0, got workers={self.workers}, "
-                             f"num_cpus={self.num_cpus}, num_gpus={self.num_gpus}")
+        if self.workers < 1:
+            raise ValueError(f"{prefix}workers: must be >= 1, got {self.workers}")
+        for key in ("num_cpus", "num_gpus"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{prefix}{key}: must be >= 0, got {getattr(self, key)}")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError(f"{prefix}max_staleness: must be >= 1 in async mode, got {self.max_staleness}")

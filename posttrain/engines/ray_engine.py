@@ -92,7 +92,7 @@ class RayEngine:
                                    extra_cpus=extra)
             self.reward_actors = start_reward_actors(cfg.reward_engine, cfg.rewards)
             run.logger.write(f"rollout engine: ray, {self.ro.workers} workers x (num_cpus={self.ro.num_cpus}, "
-                             f"num_gpus={self.ro.num_gpus}), mode {self.ro.mode}"
+                             f"num_gpus={self.ro.num_gpus}), mode {self.ro.mode}, weight sync {self.ro.weight_sync}"
                              + (f" (max_staleness {self.ahead})" if self.ro.mode == "async" else ""))
         self.publish(version)
 

@@ -33,10 +33,27 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     kw = dict(include_dashboard=False, configure_logging=False, log_to_driver=True, namespace="posttrain",
               runtime_env={"env_vars": env})
     if address:
+        check_reachable(address)
         ray.init(address=address, **kw)
     else:
         ray.init(num_cpus=num_cpus, **kw)
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """``ConnectionError`` naming ``rollout.ray_address`` / ``RAY_ADDRESS`` when a ``host:port`` address
+    does not accept a connection (``ray.init`` would retry for minutes); other forms (``auto``,
+    ``ray://...``) are left to Ray."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"rollout.ray_address / RAY_ADDRESS {address!r}: no Ray cluster answers there ({e}); "
+                              f"start one with `ray start --head` or leave both unset for a local cluster") from e
 
 
 class WorkerPool:

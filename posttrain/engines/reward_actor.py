@@ -23,9 +23,11 @@ class RewardEngineConfig:
     def validate(self, prefix: str = "") -> None:
         if self.engine not in ("local", "ray"):
             raise ValueError(f"{prefix}engine: '{self.engine}' is not one of local, ray")
-        if self.actors < 1 or self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError(f"{prefix}actors must be >= 1 and num_cpus / num_gpus >= 0, got actors={self.actors}, "
-                             f"num_cpus={self.num_cpus}, num_gpus={self.num_gpus}")
+        if self.actors < 1:
+            raise ValueError(f"{prefix}actors: must be >= 1, got {self.actors}")
+        for key in ("num_cpus", "num_gpus"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{prefix}{key}: must be >= 0, got {getattr(self, key)}")
 
 
 class RewardActor:

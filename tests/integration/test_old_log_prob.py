@@ -23,7 +23,7 @@ def test_recomputed_old_log_probs_make_the_first_ratio_one(tiny_export, tmp_path
     drift = max(abs(rollout["ratio_max"] - 1), abs(rollout["ratio_min"] - 1))
     assert recompute["ratio_min"] == pytest.approx(1.0, abs=1e-6)
     assert recompute["ratio_max"] == pytest.approx(1.0, abs=1e-6)
-    assert rollout["time_old_log_prob_s"] < 1e-3 < recompute["time_old_log_prob_s"]
+    assert "time_old_log_prob_s" not in rollout and recompute["time_old_log_prob_s"] > 0
     if train_precision == "fp32":  # a bf16 rollout's log-probs are not the fp32 update's
         assert drift > 1e-4
     with capsys.disabled():
