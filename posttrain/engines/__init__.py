@@ -32,13 +32,13 @@ class RolloutBatch:
     metrics: dict = field(default_factory=dict)
 
 
+ENGINES = {"local": "posttrain.engines.local:LocalEngine", "ray": "posttrain.engines.ray_engine:RayEngine"}
+
+
 def build_engine(run):
-    """The engine ``run.cfg.rollout.engine`` names, for a :class:`posttrain.grpo.GRPORun`."""
-    name = run.cfg.rollout.engine
-    if name == "ray":
-        from posttrain.engines.ray_engine import RayEngine
+    """The engine ``run.cfg.rollout.engine`` names (:data:`ENGINES`, imported on use: Ray only when
+    asked for), for a :class:`posttrain.grpo.GRPORun`."""
+    import importlib
 
-        return RayEngine(run)
-    from posttrain.engines.local import LocalEngine
-
-    return LocalEngine(run)
+    module, cls = ENGINES[run.cfg.rollout.engine].split(":")
+    return getattr(importlib.import_module(module), cls)(run)
