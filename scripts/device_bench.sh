@@ -21,7 +21,7 @@ for v in 0 1 2 3 4 5; do
   pids+=($!)
 done
 OMP_NUM_THREADS=2 timeout 150 taskset -c 12,13 python3 benchmarks/grpo_iteration.py --iterations "$ITER" --warmup 1 \
-  --variants 0,3,4 train.device=cuda train.threads=2 > "$OUT/gpu_bench.log" 2>&1
+  --variants 0,3,4 --device-layouts train.device=cuda train.threads=2 > "$OUT/gpu_bench.log" 2>&1
 timeout 120 taskset -c 12-15 python3 benchmarks/gpu_check.py --tokenizer .gpucheck/tokenizer --out "$OUT" > "$OUT/gpu_check.log" 2>&1
 for p in "${pids[@]}"; do wait "$p"; done
 grep -h -E "samples/s|GFLOP|^\|" "$OUT"/cpu_variant_*.log "$OUT/gpu_bench.log" | grep -v iteration

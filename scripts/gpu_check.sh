@@ -8,15 +8,7 @@
 #        bash scripts/gpu_check.sh cpu        # CPU + gloo dry run of the same path (a machine without CUDA)
 set -u
 MODE=${1:-cuda}
-OUT=${OUT:-/tmp/out}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-if ! "$PY" -c "import diffusers, omegaconf" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-export POSTTRAIN_CACHE=${POSTTRAIN_CACHE:-/tmp/cache}
+source "$(dirname "$0")/gpu_env.sh"
 if [ "$MODE" = cpu ]; then DEV=(--device cpu --backend gloo); else DEV=(--device cuda --backend nccl); fi
 timeout 540 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/fsdp_grpo_step.py \
   --tokenizer .gpucheck/tokenizer --out "$OUT" "${DEV[@]}" > "$OUT/gpu_check.log" 2>&1
