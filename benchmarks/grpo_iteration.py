@@ -7,7 +7,7 @@ Per variant (speed options toggled one at a time, each keeping the algorithm's s
 seconds per phase (rollout, decode, reward wait, training), useful FLOPs per iteration counted with
 ``torch.utils.flop_counter`` (CPU attention included, see :mod:`benchmarks.kernel_rates`) and that over
 the machine's fp32 matmul rate measured in this run at the model's GEMM shapes (a CPU "MFU"), the
-iteration's floor at the kernel rates measured in this run, peak RSS. The first row is flow_grpo's layout,
+iteration's floor at the kernel rates measured in this run, peak RSS. Each row runs in a fresh process. The first row is flow_grpo's layout,
 the baseline every other row is compared with in the same run. flow_grpo's own scripts/train_sd3.py
 (commit ac4c86e8, its pinned diffusers / transformers / accelerate / peft, torch 2.14.1), run on this
 project's machine kind at exactly these settings, alternating with this benchmark in one quiet session,
@@ -19,8 +19,10 @@ changes that trade quality for speed are listed apart and are not part of that c
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,13 +43,15 @@ from pretrain.runtime.profiling import peak_rss_mb  # noqa: E402
 CONFIG = "configs/bench/flowgrpo_tiny_sd3.yaml"
 FLOW_GRPO_SIDE_BY_SIDE = ((1.190, 1.174), (1.119, 1.340))  # (flow_grpo, first row) samples/s, two pairs
 # name -> overrides; each row adds one speed option to the one above (same loss and gradients).
-_NO_REUSE = "perf.reuse_rollout_uncond=false"
+_NO_REUSE, _FREE = "perf.reuse_rollout_uncond=false", "train.keep_freed_memory=false"
 VARIANTS = {
-    "flow_grpo layout": ["perf.uncond_in_batch=true", "perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE],
-    "+ uncond branch without graph": ["perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE],
-    "+ LoRA merged for no-grad forwards": ["perf.reward_workers=0", _NO_REUSE],
-    "+ rollout's uncond velocities before the first step": ["perf.reward_workers=0"],
-    "+ torch.compile per block": ["perf.reward_workers=0", "perf.compile=true"],
+    "flow_grpo layout": ["perf.uncond_in_batch=true", "perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE,
+                         _FREE],
+    "+ uncond branch without graph": ["perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE, _FREE],
+    "+ LoRA merged for no-grad forwards": ["perf.reward_workers=0", _NO_REUSE, _FREE],
+    "+ rollout's uncond velocities before the first step": ["perf.reward_workers=0", _FREE],
+    "+ torch.compile per block": ["perf.reward_workers=0", "perf.compile=true", _FREE],
+    "+ freed memory kept for reuse (malloc)": ["perf.reward_workers=0", "perf.compile=true"],
     "+ reward scored during rollout (a thread)": ["perf.compile=true"],
 }
 # Algorithm changes (not counted toward the comparison).
@@ -86,6 +90,15 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
     return {"name": name, "flops": counted, "samples": run.n, "rows": rows, "peak_rss_mb": peak_rss_mb()}
 
 
+def bench_isolated(*args) -> dict:
+    """:func:`bench` in a fresh Python process, so that process-wide state (the allocator's settings, compiled
+    code, peak RSS) is the row's own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        subprocess.run([sys.executable, __file__, "--row", json.dumps(args), "--row-out", str(out)], check=True)
+        return json.loads(out.read_text())
+
+
 def medians(results: list[dict]) -> dict:
     """One variant's sweeps folded: the median of every float metric over all their timed iterations."""
     rows = [row for r in results for row in r["rows"]]
@@ -104,8 +117,13 @@ def main() -> None:
     ap.add_argument("--sweeps", type=int, default=1,
                     help="passes over the variants, every other one in reverse order (drift in the machine's "
                          "speed then falls on every variant alike); medians over all passes")
+    ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: one bench() call's arguments as JSON
+    ap.add_argument("--row-out", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every variant")
     a = ap.parse_args()
+    if a.row:
+        Path(a.row_out).write_text(json.dumps(bench(*json.loads(a.row))))
+        return
     # the config's data folder is built here, so read it before the config's data block is validated
     pre = load_config(GRPOConfig, CONFIG, [*a.overrides, "data.source=openmoji"])
     build_assets(pre.model, pre.model.pretrained, pre.data.path)
@@ -128,7 +146,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name, _ in chosen}
     for sweep in range(a.sweeps):
         for name, ov in chosen if sweep % 2 == 0 else chosen[::-1]:
-            runs[name].append(bench(name, ov, a.overrides, a.iterations, a.warmup, flops=not runs[name]))
+            runs[name].append(bench_isolated(name, ov, a.overrides, a.iterations, a.warmup, not runs[name]))
             rate = statistics.median(row["samples_per_s"] for row in runs[name][-1]["rows"])
             print(f"  {name} (pass {sweep + 1}): {rate:.3f} samples/s", flush=True)
     results = [medians(runs[name]) for name, _ in chosen]
@@ -156,7 +174,7 @@ def main() -> None:
           + " (its 0.97 TFLOP figure, like the CPU counter without these formulas, leaves attention out). "
           f"The leanest variant's counted work at this machine's kernel rates needs {lean['floor_s']:.2f} s: at most "
           f"{lean['samples'] / lean['floor_s']:.3f} samples/s before any elementwise op or overhead. Peak RSS is "
-          f"the process's so far.")
+          f"each row's process's.")
 
 
 if __name__ == "__main__":

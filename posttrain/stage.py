@@ -17,6 +17,7 @@ from pretrain.models.pipelines import export_pipeline, save_pipeline_lora
 from pretrain.export import export_model, load_exported, require_export
 from pretrain.parallel.job import JobRanks
 from pretrain.runtime.config_record import record_config
+from pretrain.runtime.host import configure_host
 from pretrain.runtime.runtime import resolve_device
 from pretrain.seeding import seed_for
 from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
@@ -43,10 +44,9 @@ class PolicyStage:
     def setup(cls, cfg, name: str) -> "PolicyStage":
         """From a stage config with ``run_dir``, ``model``, ``data``, ``policy`` and ``train`` fields.
         Raises ``ConfigError`` if ``model.pretrained`` is not an export folder."""
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
         require_export(cfg.model.pretrained)
         device = resolve_device(cfg.train.device)
+        configure_host(cfg.train, device)
         run = Path(cfg.run_dir) / name
         run.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized() or dist.get_rank() == 0:  # one writer under torchrun

@@ -24,6 +24,7 @@ from pretrain.runtime.metrics import MetricsLogger
 from pretrain.runtime.profiling import StepProfiler
 from pretrain.runtime.config_record import record_config
 from pretrain.runtime.spikes import sigma_buckets
+from pretrain.runtime.host import configure_host
 from pretrain.runtime.runtime import Runtime, resolve_device
 from pretrain.seeding import seed_for
 from pretrain.evaluation import heldout_loss, write_grid
@@ -145,9 +146,8 @@ class PretrainRun:
         self.ranks = ranks = JobRanks.start_batch_job(  # a no-op in one process
             cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
             "the global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
         self.device = device = ranks.device if ranks.distributed else resolve_device(cfg.train.device)
+        configure_host(cfg.train, device)
         self.run = run = Path(cfg.run_dir) / "pretrain"
         run.mkdir(parents=True, exist_ok=True)
         if ranks.is_main:

@@ -14,15 +14,15 @@ export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUF
 nproc; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
 lscpu | grep -E "Model name|Flags" | cut -c1-200
 pids=()
-for v in 0 1 2 3 4 5; do
+for v in 0 1 2 3 4 5 6; do
   c0=$((2 * v)); c1=$((2 * v + 1))
   POSTTRAIN_CACHE=/tmp/cache_$v OMP_NUM_THREADS=2 timeout 300 taskset -c $c0,$c1 python3 benchmarks/grpo_iteration.py --iterations "$ITER" --warmup 1 \
     --variants $v > "$OUT/cpu_variant_$v.log" 2>&1 &
   pids+=($!)
 done
-OMP_NUM_THREADS=2 timeout 150 taskset -c 12,13 python3 benchmarks/grpo_iteration.py --iterations "$ITER" --warmup 1 \
+OMP_NUM_THREADS=2 timeout 150 taskset -c 14,15 python3 benchmarks/grpo_iteration.py --iterations "$ITER" --warmup 1 \
   --variants 0,3,4 --device-layouts train.device=cuda train.threads=2 > "$OUT/gpu_bench.log" 2>&1
-timeout 120 taskset -c 12-15 python3 benchmarks/gpu_check.py --tokenizer .gpucheck/tokenizer --out "$OUT" > "$OUT/gpu_check.log" 2>&1
+timeout 120 taskset -c 14,15 python3 benchmarks/gpu_check.py --tokenizer .gpucheck/tokenizer --out "$OUT" > "$OUT/gpu_check.log" 2>&1
 for p in "${pids[@]}"; do wait "$p"; done
 grep -h -E "samples/s|GFLOP|^\|" "$OUT"/cpu_variant_*.log "$OUT/gpu_bench.log" | grep -v iteration
 tail -3 "$OUT/gpu_check.log"

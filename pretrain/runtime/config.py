@@ -45,6 +45,9 @@ class RuntimeConfig:
     ``replica_check_every``: compare the data-parallel replicas' weights every N optimizer steps
     (:mod:`pretrain.parallel.replicas`; 0 = never; nothing to compare in one process).
     ``device``: "auto" (cuda if available), "cpu" or "cuda[:i]"; ``threads``: torch CPU threads.
+    ``keep_freed_memory``: glibc malloc keeps freed memory for reuse instead of returning it to the kernel
+    (fewer page faults, resident memory stays at its peak; :func:`pretrain.runtime.host.keep_freed_memory`);
+    None = on when training on a CPU.
     ``low_precision``: FP8 / MXFP8 / NVFP4 training of the denoiser's Linear layers with torchao
     (:mod:`pretrain.runtime.low_precision`; off by default)."""
 
@@ -62,6 +65,7 @@ class RuntimeConfig:
     replica_check_every: int = 100
     device: str = "auto"
     threads: int | None = None
+    keep_freed_memory: bool | None = None
     low_precision: LowPrecisionConfig = field(default_factory=LowPrecisionConfig)
 
     def validate(self, prefix: str = "") -> None:
