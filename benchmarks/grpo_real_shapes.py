@@ -38,11 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 CONFIG = "configs/bench/flowgrpo_tiny_sd3.yaml"
 # model.overrides of the tiny SD3 preset for each shape, and the asset shape (benchmarks/bench_assets.py)
 SHAPES = {
-    "sd3_medium": ("{num_layers: 24, num_attention_heads: 24, attention_head_dim: 64, caption_projection_dim: 1536,"
-                   " patch_size: 2, qk_norm: rms_norm}", "SD3_MEDIUM"),
-    "tiny": ("{num_layers: 4, num_attention_heads: 4, attention_head_dim: 32, caption_projection_dim: 128,"
-             " patch_size: 2}", "TINY"),
+    "sd3_medium": (dict(num_layers=24, num_attention_heads=24, attention_head_dim=64, caption_projection_dim=1536,
+                        patch_size=2, qk_norm="rms_norm"), "SD3_MEDIUM"),
+    "tiny": (dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, caption_projection_dim=128,
+                  patch_size=2), "TINY"),
 }
+
+
+def overrides_arg(shape: str) -> str:
+    """``model.overrides={...}`` of ``shape`` as a command-line override."""
+    return "model.overrides={" + ", ".join(f"{k}: {v}" for k, v in SHAPES[shape][0].items()) + "}"
 PHASES = ("time_rollout_s", "time_decode_s", "time_reward_wait_s", "time_train_s")
 
 
@@ -76,7 +81,7 @@ def run_mode(mode: str, args, assets: dict, peak_tflops: float) -> dict:
     run_dir = Path(args.work) / mode
     cfg = load_config(GRPOConfig, CONFIG, [
         f"run_dir={run_dir}", f"model.pretrained={assets['export']}", f"data.path={assets['data']}",
-        f"model.overrides={SHAPES[args.shape][0]}", f"train.device={args.device}",
+        overrides_arg(args.shape), f"train.device={args.device}",
         f"train.threads={'null' if cuda else 2}", f"train.precision={args.precision}",
         f"parallel.param_dtype={args.precision}", "parallel.always_shard=true",
         f"policy.lora_rank={32 if mode == 'lora' else 0}", f"rollout.prompts_per_step={args.prompts}",
@@ -139,8 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from benchmarks import bench_assets
     from benchmarks.low_precision_step import run as pretrain_step
-    from pretrain.config import load_config
-    from posttrain.grpo import GRPOConfig
+    from pretrain.models import ModelConfig
 
     cuda = args.device == "cuda"
     if cuda:
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     assets = {"export": work / "assets" / "export", "data": work / "assets" / "data"}
-    model = load_config(GRPOConfig, CONFIG, [f"model.overrides={SHAPES[args.shape][0]}"]).model
+    model = ModelConfig(preset="tiny", overrides=SHAPES[args.shape][0])
     t0 = time.perf_counter()
     bench_assets.build_assets(model, assets["export"], assets["data"], getattr(bench_assets, SHAPES[args.shape][1]),
                               emoji=False)
