@@ -72,8 +72,9 @@ def build_text_encoder(root: Path, shape: AssetShape = TINY) -> None:
     cfg = CLIPTextConfig(vocab_size=len(vocab), hidden_size=shape.text_dim,
                          intermediate_size=shape.text_dim * (1 if wide else 4), num_hidden_layers=shape.text_layers,
                          num_attention_heads=shape.text_dim // 64 if wide else 2,
-                         max_position_embeddings=shape.text_tokens, projection_dim=shape.pooled_dim, bos_token_id=vocab["<|startoftext|>"],
-                         eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"])
+                         max_position_embeddings=shape.text_tokens, projection_dim=shape.pooled_dim,
+                         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+                         pad_token_id=vocab["<|endoftext|>"])
     torch.manual_seed(0)
     CLIPTextModelWithProjection(cfg).save_pretrained(root / "text_encoder", safe_serialization=True)
 

@@ -7,9 +7,10 @@ Per variant (speed options toggled one at a time, each keeping the algorithm's s
 seconds per phase (rollout, decode, reward wait, training), useful FLOPs per iteration counted with
 ``torch.utils.flop_counter`` (CPU attention included, see :mod:`benchmarks.kernel_rates`) and that over
 the machine's fp32 matmul rate measured in this run at the model's GEMM shapes (a CPU "MFU"), the
-iteration's floor at the kernel rates measured in this run, peak RSS. Each row runs in a fresh process. The first row is flow_grpo's layout,
-the baseline every other row is compared with in the same run. flow_grpo's own scripts/train_sd3.py
-(commit ac4c86e8, its pinned diffusers / transformers / accelerate / peft, torch 2.14.1), run on this
+iteration's floor at the kernel rates measured in this run, peak RSS. Each row runs in a fresh process.
+The first row is flow_grpo's layout, the baseline every other row is compared with in the same run.
+flow_grpo's own scripts/train_sd3.py (commit ac4c86e8, its pinned diffusers / transformers / accelerate /
+peft, torch 2.14.1), run on this
 project's machine kind at exactly these settings, alternating with this benchmark in one quiet session,
 did 1.19 and 1.12 samples/s against 1.17 and 1.34 for the first row: the first row stands for flow_grpo
 (the machine drifts 10-15 % between runs, so only ratios within one run are compared). Algorithm

@@ -11,11 +11,11 @@ and the device's peak); then a bf16 pretraining step of the transformer at the s
 ``sd3_medium``: SD3.5-Medium's transformer shapes (24 joint blocks, 24 heads x 64 = 1536 wide, RMS q/k
 norm, patch 2), conditioning (333 tokens x 4096, pooled 2048) and image size (512 px: 16 x 64 x 64
 latents, decoded by SD3's 128-512 channel VAE); ``tiny``: ``configs/bench/flowgrpo_tiny_sd3.yaml``'s
-(:mod:`benchmarks.bench_assets`); the prompts are the captions of a generated shapes folder. GRPO settings are that config's (10 SDE steps, 9 trained transitions,
-CFG 4.5, PPO-clip + KL, 2 optimizer steps per iteration, JPEG reward) at ``--prompts`` x
-``--group-size`` samples. ``parallel.always_shard``: the single rank builds the mesh and ``fully_shard``s
-the policy; ``--precision bf16``: FSDP2 ``param_dtype`` bf16 (a bf16 frozen base, fp32 LoRA) and bf16
-autocast. Peak: ``--peak-tflops`` (H200 dense bf16: 989), on a CPU the fp32 matmul rate measured here.
+(:mod:`benchmarks.bench_assets`). The prompts are the captions of a generated shapes folder. GRPO
+settings are that config's (10 SDE steps, 9 trained transitions, CFG 4.5, PPO-clip + KL, 2 optimizer
+steps per iteration, JPEG reward) at ``--prompts`` x ``--group-size`` samples.
+``parallel.always_shard``: the single rank builds the mesh and ``fully_shard``s the policy;
+``--precision bf16``: FSDP2 ``param_dtype`` bf16 (a bf16 frozen base, fp32 LoRA) and bf16 autocast. Peak: ``--peak-tflops`` (H200 dense bf16: 989), on a CPU the fp32 matmul rate measured here.
 Prints one JSON object and writes it to ``--out/grpo_real_shapes.json``.
 """
 
@@ -36,18 +36,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CONFIG = "configs/bench/flowgrpo_tiny_sd3.yaml"
-# model.overrides of the tiny SD3 preset for each shape, and the asset shape (benchmarks/bench_assets.py)
+# model.overrides of the tiny SD3 preset for each shape (None: the config's own), and the asset shape
+# (benchmarks/bench_assets.py)
 SHAPES = {
     "sd3_medium": (dict(num_layers=24, num_attention_heads=24, attention_head_dim=64, caption_projection_dim=1536,
                         patch_size=2, qk_norm="rms_norm"), "SD3_MEDIUM"),
-    "tiny": (dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, caption_projection_dim=128,
-                  patch_size=2), "TINY"),
+    "tiny": (None, "TINY"),
 }
-
-
-def overrides_arg(shape: str) -> str:
-    """``model.overrides={...}`` of ``shape`` as a command-line override."""
-    return "model.overrides={" + ", ".join(f"{k}: {v}" for k, v in SHAPES[shape][0].items()) + "}"
 PHASES = ("time_rollout_s", "time_decode_s", "time_reward_wait_s", "time_train_s")
 
 
@@ -79,9 +74,12 @@ def run_mode(mode: str, args, assets: dict, peak_tflops: float) -> dict:
 
     cuda = args.device == "cuda"
     run_dir = Path(args.work) / mode
+    overrides = SHAPES[args.shape][0]
+    model = [] if overrides is None else ["model.overrides={" + ", ".join(f"{k}: {v}" for k, v in overrides.items())
+                                          + "}"]
     cfg = load_config(GRPOConfig, CONFIG, [
-        f"run_dir={run_dir}", f"model.pretrained={assets['export']}", f"data.path={assets['data']}",
-        overrides_arg(args.shape), f"train.device={args.device}",
+        f"run_dir={run_dir}", f"model.pretrained={assets['export']}", f"data.path={assets['data']}", *model,
+        f"train.device={args.device}",
         f"train.threads={'null' if cuda else 2}", f"train.precision={args.precision}",
         f"parallel.param_dtype={args.precision}", "parallel.always_shard=true",
         f"policy.lora_rank={32 if mode == 'lora' else 0}", f"rollout.prompts_per_step={args.prompts}",
@@ -90,15 +88,11 @@ def run_mode(mode: str, args, assets: dict, peak_tflops: float) -> dict:
         f"train.steps={args.warmup + args.iterations + 1}", "checkpoint.every=0", "eval.every=0",
         f"perf.compile={str(args.compile).lower()}"])
     run = GRPORun(cfg)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(args.warmup):
         step_once(run)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    rows = []
-    for _ in range(args.iterations):
-        sync()
-        rows.append(step_once(run))
+    rows = [step_once(run) for _ in range(args.iterations)]  # each ends on .item() calls: the GPU is done
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
     run.update = counted = CountedUpdate(run.update)
     with FlopCounterMode(display=False) as counter:
@@ -144,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from benchmarks import bench_assets
     from benchmarks.low_precision_step import run as pretrain_step
+    from omegaconf import OmegaConf
+
     from pretrain.models import ModelConfig
 
     cuda = args.device == "cuda"
@@ -159,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     assets = {"export": work / "assets" / "export", "data": work / "assets" / "data"}
-    model = ModelConfig(preset="tiny", overrides=SHAPES[args.shape][0])
+    model = ModelConfig(preset="tiny", overrides=SHAPES[args.shape][0] or dict(OmegaConf.load(CONFIG).model.overrides))
     t0 = time.perf_counter()
     bench_assets.build_assets(model, assets["export"], assets["data"], getattr(bench_assets, SHAPES[args.shape][1]),
                               emoji=False)
@@ -168,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
            "peak_tflops": peak, "assets_s": round(time.perf_counter() - t0, 1), "modes": []}
     for mode in args.modes.split(","):
         res["modes"].append(run_mode(mode, args, assets, peak))
-    res["pretrain_step"] = pretrain_step("bf16", args.shape, args.pretrain_batch, 5 if cuda else 2, 2 if cuda else 1, False,
-                                         args.compile, torch.device(args.device), peak)
+    res["pretrain_step"] = pretrain_step("bf16", args.shape, args.pretrain_batch, 5 if cuda else 2, 2 if cuda else 1,
+                                         False, args.compile, torch.device(args.device), peak)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grpo_real_shapes.json").write_text(json.dumps(res, indent=2))
