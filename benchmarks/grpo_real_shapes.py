@@ -15,8 +15,8 @@ latents, decoded by SD3's 128-512 channel VAE); ``tiny``: ``configs/bench/flowgr
 settings are that config's (10 SDE steps, 9 trained transitions, CFG 4.5, PPO-clip + KL, 2 optimizer
 steps per iteration, JPEG reward) at ``--prompts`` x ``--group-size`` samples.
 ``parallel.always_shard``: the single rank builds the mesh and ``fully_shard``s the policy;
-``--precision bf16``: FSDP2 ``param_dtype`` bf16 (a bf16 frozen base, fp32 LoRA) and bf16 autocast. Peak: ``--peak-tflops`` (H200 dense bf16: 989), on a CPU the fp32 matmul rate measured here.
-Prints one JSON object and writes it to ``--out/grpo_real_shapes.json``.
+``--precision bf16``: FSDP2 ``param_dtype`` bf16 (a bf16 frozen base, fp32 LoRA) and bf16 autocast.
+Peak: ``--peak-tflops`` (H200 dense bf16: 989), on a CPU the fp32 matmul rate measured here. Prints one JSON object and writes it to ``--out/grpo_real_shapes.json``.
 """
 
 from __future__ import annotations
