@@ -16,7 +16,8 @@ settings are that config's (10 SDE steps, 9 trained transitions, CFG 4.5, PPO-cl
 steps per iteration, JPEG reward) at ``--prompts`` x ``--group-size`` samples.
 ``parallel.always_shard``: the single rank builds the mesh and ``fully_shard``s the policy;
 ``--precision bf16``: FSDP2 ``param_dtype`` bf16 (a bf16 frozen base, fp32 LoRA) and bf16 autocast.
-Peak: ``--peak-tflops`` (H200 dense bf16: 989), on a CPU the fp32 matmul rate measured here. Prints one JSON object and writes it to ``--out/grpo_real_shapes.json``.
+Peak: ``--peak-tflops`` (H200 dense bf16: 989), on a CPU the fp32 matmul rate measured here.
+Prints one JSON object and writes it to ``--out/grpo_real_shapes.json``.
 """
 
 from __future__ import annotations
