@@ -39,7 +39,8 @@ class RankLayout(StageRanks):
             return "ranks: 1 process"
         dp = self.mesh.dims.dp
         return (f"ranks: {self.layout()}; each data-parallel rank samples 1/{dp} of the prompt groups and trains "
-                f"mini-batches of train.batch_size/{dp}; FSDP2 over the policy: perf.merge_lora off")
+                f"mini-batches of train.batch_size/{dp}; FSDP2{' and tensor parallelism' if self.mesh.tp_size > 1 else ''} "
+                f"over the policy: perf.merge_lora off")
 
     # -- setup -----------------------------------------------------------------------------------
     def check(self, prompts_per_step: int, batch_size: int, ema_decay: float) -> None:

@@ -115,3 +115,18 @@ class Backbone(torch.nn.Module):
         :func:`pretrain.parallel.sequence.enable_sequence_parallel`). The base class has no plan: raises
         ``ValueError`` naming the adapter class."""
         raise ValueError(f"sequence parallel: {type(self).__name__} has no sequence-parallel plan")
+
+    tp_plan: dict[str, str] | None = None
+    """This family's tensor-parallel plan (module-name pattern -> style, :mod:`pretrain.parallel.tensor`);
+    None: the family has none."""
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """The plan :func:`pretrain.parallel.tensor.apply_tensor_parallel` applies for TP degree ``tp``:
+        :attr:`tp_plan`. Raises ``ValueError`` naming the adapter class when the family has no plan, or
+        naming ``num_attention_heads`` when ``tp`` does not divide it."""
+        if self.tp_plan is None:
+            raise ValueError(f"tensor parallel: {type(self).__name__} has no tensor-parallel plan")
+        heads = getattr(self.transformer.config, "num_attention_heads", None)
+        if heads is not None and heads % tp:
+            raise ValueError(f"tensor parallel: parallel.tp={tp} does not divide num_attention_heads={heads}")
+        return self.tp_plan

@@ -14,7 +14,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class ParallelConfig:
-    """Degrees (``dp_shard: -1`` = all ranks left after ``dp_replicate`` and ``sp``), FSDP2 mixed
+    """Degrees (``dp_shard: -1`` = all ranks left after ``dp_replicate``, ``cp``, ``sp`` and ``tp``;
+    ``tp`` > 1: tensor parallelism with the model family's plan, ``tensor.py``), FSDP2 mixed
     precision (``param_dtype``: the dtype blocks compute in after the all-gather; ``reduce_dtype``: the
     dtype gradients are reduced in, fp32 by default as torchtitan), per-block activation checkpointing and
     per-block ``torch.compile``. With LoRA, ``param_dtype`` is the storage dtype of the frozen base and the
@@ -28,6 +29,8 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = -1
     sp: int = 1
+    tp: int = 1
+    cp: int = 1
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
     activation_checkpointing: bool = False
@@ -36,12 +39,16 @@ class ParallelConfig:
     collective_timeout_s: float = 1800.0
 
     def validate(self, prefix: str = "") -> None:
-        require_positive(self, prefix, "dp_replicate", "sp", "collective_timeout_s")
+        require_positive(self, prefix, "dp_replicate", "sp", "tp", "cp", "collective_timeout_s")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"{prefix}dp_shard: must be >= 1 or -1 (infer), got {self.dp_shard}")
+        try:
+            self.dims().check()
+        except ValueError as e:
+            raise ValueError(str(e).replace("parallel.", prefix)) from None
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{prefix}{name}: '{getattr(self, name)}' is not one of {', '.join(DTYPES)}")
 
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.dp_replicate, self.dp_shard, self.sp)
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp)

@@ -1,17 +1,20 @@
 """Parallel degrees and the one named ``DeviceMesh`` built from them (torchtitan's ``ParallelDims``,
 ``torchtitan/distributed/parallel_dims.py``).
 
-The mesh is always 3-D, ``("dp_replicate", "dp_shard", "sp")`` (size-1 dimensions included), made by
-unflattening one 1-D world mesh from ``init_device_mesh`` (torchtitan's current recipe), which also
-gives two other views of the same ranks:
+The mesh is always 5-D, ``("dp_replicate", "dp_shard", "cp", "sp", "tp")`` (size-1 dimensions
+included), made by unflattening one 1-D world mesh from ``init_device_mesh`` (torchtitan's current
+recipe), which also gives other views of the same ranks:
 
 - ``"dp"`` = dp_replicate x dp_shard: the data-parallel ranks. Each holds different samples; the data
   loader / prompt sampler splits by ``dp_rank`` of ``dp_size``.
-- ``"dp_shard_sp"`` = dp_shard x sp: the ranks FSDP2 shards parameters over (HSDP replicates over
-  ``"dp_replicate"``). Sequence-parallel ranks share their samples, so their gradients are summed, not
-  averaged (see ``fsdp.py``).
+- ``"dp_shard_sp"`` = dp_shard x cp x sp: the ranks FSDP2 shards parameters over (HSDP replicates over
+  ``"dp_replicate"``). Context- and sequence-parallel ranks share their samples, so their gradients are
+  summed, not averaged (see ``fsdp.py``).
+- ``"tp"``: the tensor-parallel ranks (``tensor.py``); they share their samples and hold different
+  slices of the sharded layers. FSDP2 shards those DTensors further over ``"dp_shard_sp"`` (2-D).
 
-SP ranks are the innermost dimension, so an SP group is a block of consecutive ranks (one node).
+TP ranks are the innermost dimension (a TP group is a block of consecutive ranks: one node's fast links),
+then SP, then CP.
 """
 
 from __future__ import annotations
@@ -21,42 +24,54 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "sp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of data replication (HSDP outer dim), data sharding (FSDP), sequence parallelism (Ulysses)
-    and tensor parallelism (reserved: only ``tp=1`` is implemented).
+    """Degrees of data replication (HSDP outer dim), data sharding (FSDP), context parallelism (reserved:
+    only ``cp=1`` is implemented), sequence parallelism (Ulysses) and tensor parallelism.
 
-    ``dp_shard=-1`` takes whatever the world size leaves after the other degrees. ``validate`` (called by
-    ``build_mesh``) raises ``ValueError`` naming every degree and the world size when their product
-    differs from it, or when a degree is below 1."""
+    ``dp_shard=-1`` takes whatever the world size leaves after the other degrees. :meth:`resolved` (called
+    by ``build_mesh``) raises ``ValueError`` naming every degree and the world size when their product
+    differs from it, when a degree is below 1, or naming both keys for a combination that is not
+    supported (``sp`` > 1 with ``tp`` > 1 or ``cp`` > 1: Ulysses reshapes the attention heads itself)."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
     sp: int = 1
     tp: int = 1
+    cp: int = 1
+
+    def check(self) -> None:
+        """The checks that need no world size: every degree but ``dp_shard`` >= 1, and the combinations of
+        the class docstring (``ValueError`` naming the keys)."""
+        for name in ("dp_replicate", "cp", "sp", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.cp != 1:
+            raise ValueError(f"parallel.cp: context parallelism is not implemented yet (cp={self.cp}); use cp=1 "
+                             f"(parallel.sp for Ulysses sequence parallelism)")
+        for other in ("tp", "cp"):
+            if self.sp > 1 and getattr(self, other) > 1:
+                raise ValueError(f"parallel.sp={self.sp} with parallel.{other}={getattr(self, other)}: Ulysses "
+                                 f"sequence parallelism does not compose with {other} yet; use one of them")
 
     def resolved(self, world_size: int) -> ParallelDims:
         """A copy with ``dp_shard=-1`` replaced by world_size / (dp_replicate * sp * tp), validated."""
-        dims = ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp)
-        for name in ("dp_replicate", "sp", "tp"):
-            if getattr(dims, name) < 1:
-                raise ValueError(f"parallel.{name}: must be >= 1, got {getattr(dims, name)}")
-        if dims.tp != 1:
-            raise ValueError(f"parallel.tp: tensor parallelism is not implemented yet (tp={dims.tp}); use tp=1")
-        others = dims.dp_replicate * dims.sp * dims.tp
+        dims = ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp)
+        dims.check()
+        others = dims.dp_replicate * dims.cp * dims.sp * dims.tp
+        named = f"dp_replicate={dims.dp_replicate} x cp={dims.cp} x sp={dims.sp} x tp={dims.tp}"
         if dims.dp_shard == -1:
             if world_size % others:
-                raise ValueError(f"parallel: dp_replicate={dims.dp_replicate} x sp={dims.sp} x tp={dims.tp} = "
-                                 f"{others} does not divide the world size {world_size}, so dp_shard=-1 "
-                                 f"cannot be inferred")
+                raise ValueError(f"parallel: {named} = {others} does not divide the world size {world_size}, "
+                                 f"so dp_shard=-1 cannot be inferred")
             dims.dp_shard = world_size // others
         if dims.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard: must be >= 1 or -1 (infer), got {dims.dp_shard}")
         if dims.dp_shard * others != world_size:
-            raise ValueError(f"parallel: dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
+            raise ValueError(f"parallel: dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x cp={dims.cp} x "
                              f"sp={dims.sp} x tp={dims.tp} = {dims.dp_shard * others} != world size {world_size}")
         return dims
 
@@ -71,18 +86,20 @@ class ParallelDims:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         dims = self.resolved(world)
         flat = init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
+        inner = dims.cp * dims.sp * dims.tp
         return Mesh(
             dims,
-            device_mesh=flat._unflatten(0, (dims.dp_replicate, dims.dp_shard, dims.sp), MESH_DIMS),
-            dp_mesh=flat._unflatten(0, (dims.dp, dims.sp), ("dp", "sp"))["dp"],
-            shard_mesh=flat._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.sp), ("dp_replicate", "dp_shard_sp")),
+            device_mesh=flat._unflatten(0, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.sp, dims.tp), MESH_DIMS),
+            dp_mesh=flat._unflatten(0, (dims.dp, inner), ("dp", "cp_sp_tp"))["dp"],
+            shard_mesh=flat._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp * dims.sp, dims.tp),
+                                       ("dp_replicate", "dp_shard_sp", "tp")),
         )
 
 
 @dataclass
 class Mesh:
     """A validated ``ParallelDims`` with its named ``DeviceMesh`` (``mesh["sp"]`` slices it), the 1-D
-    data-parallel view ``dp_mesh`` and the 2-D (dp_replicate, dp_shard_sp) ``shard_mesh``."""
+    data-parallel view ``dp_mesh`` and the 3-D (dp_replicate, dp_shard_sp, tp) ``shard_mesh``."""
 
     dims: ParallelDims
     device_mesh: DeviceMesh
@@ -115,13 +132,23 @@ class Mesh:
         return self.device_mesh["sp"].get_group()
 
     @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of this rank's TP ranks (the one ``parallelize_module`` takes; sliced from the
+        same root as :meth:`fsdp_mesh`, as FSDP2 requires of a 2-D TP x FSDP layout)."""
+        return self.shard_mesh["tp"]
+
+    @property
     def dp_group(self) -> torch.distributed.ProcessGroup:
-        """The process group of the data-parallel ranks sharing this rank's SP index (reward gathers)."""
+        """The process group of the data-parallel ranks sharing this rank's CP, SP and TP index (reward
+        gathers)."""
         return self.dp_mesh.get_group()
 
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh ``fully_shard`` takes: 1-D ``dp_shard_sp`` (FSDP), or 2-D (``dp_replicate``,
         ``dp_shard_sp``) for HSDP (replicate over the first dimension, shard over the second)."""
         if self.dims.dp_replicate > 1:
-            return self.shard_mesh
+            return self.shard_mesh["dp_replicate", "dp_shard_sp"]
         return self.shard_mesh["dp_shard_sp"]

@@ -1,5 +1,5 @@
-"""Parallelize a model adapter: activation checkpointing -> compile -> FSDP2, torchtitan's order
-(``torchtitan/models/flux/parallelize.py``; TP would come first and is not implemented).
+"""Parallelize a model adapter: tensor parallelism (``tp`` > 1, ``tensor.py``) -> activation
+checkpointing -> compile -> FSDP2, torchtitan's order (``torchtitan/models/flux/parallelize.py``).
 
 FSDP2 (``fully_shard``) is applied to every block the adapter lists (:meth:`pretrain.backbone.Backbone.blocks`:
 SD3's ``transformer_blocks``, FLUX's double and single blocks, Wan's ``blocks``, a UNet's down / mid / up
@@ -97,8 +97,9 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
                 blocks: list[torch.nn.Module] | None = None) -> torch.nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 to ``model`` in place, in torchtitan's order;
-    returns ``model``. ``model``: a :class:`pretrain.backbone.Backbone` adapter (its ``blocks()`` are the
+    """Apply tensor parallelism (``mesh.tp_size`` > 1: the adapter's plan over ``mesh.tp_mesh()``),
+    activation checkpointing, compile and FSDP2 to ``model`` in place, in torchtitan's order; returns
+    ``model``. ``model``: a :class:`pretrain.backbone.Backbone` adapter (its ``blocks()`` are the
     units), or any module with its ``blocks`` given (e.g. a bare diffusers denoiser and
     ``Adapter.blocks_of(denoiser)``). Raises ``ValueError`` (:func:`block_units`) for a model without blocks.
 
@@ -107,6 +108,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
     full-fine-tuning reference copy (``requires_grad=False`` everywhere: stored in ``param_dtype``, it only
     all-gathers)."""
     blocks = block_units(model, blocks)
+    if mesh.tp_size > 1:
+        from pretrain.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.tp_mesh())
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, blocks)
     if cfg.compile:

@@ -85,7 +85,8 @@ class JobRanks:
         if not self.mesh:
             return "1 process"
         d = self.mesh.dims
-        return f"world {dist.get_world_size()} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x sp {d.sp}"
+        extra = "".join(f" x {k} {getattr(d, k)}" for k in ("cp", "tp") if getattr(d, k) > 1)
+        return f"world {dist.get_world_size()} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x sp {d.sp}{extra}"
 
     # -- config checks ---------------------------------------------------------------------------
     def refuse_ema(self, ema_decay: float) -> None:
@@ -121,7 +122,7 @@ class JobRanks:
         """Prepare ``model`` (peft adapters already added) and a frozen full-fine-tuning ``reference`` if
         any, in torchtitan's order: the ``low_precision`` conversion of their denoisers (a
         :class:`~pretrain.runtime.low_precision.LowPrecisionConfig`; also in one process), then Ulysses SP
-        (``parallel.sp`` > 1), then FSDP2. ``compile_blocks`` joins ``parallel.compile``: one per-block
+        (``parallel.sp`` > 1), then tensor parallelism (``parallel.tp`` > 1) and FSDP2 (:func:`parallelize`). ``compile_blocks`` joins ``parallel.compile``: one per-block
         compile. Sharding is a no-op in one process."""
         if low_precision is not None and low_precision.enabled:
             from pretrain.runtime.low_precision import convert

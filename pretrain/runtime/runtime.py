@@ -30,6 +30,7 @@ from pretrain.runtime.optim import build_lr_scheduler, build_optimizer
 from pretrain.runtime.precision import Precision
 from pretrain.runtime.restarts import Attempt, restart_count
 from pretrain.runtime.spikes import SpikeDetector
+from pretrain.parallel.grad_norm import clip_grad_norm_
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Runtime:
         if scaler is not None:
             scaler.unscale_(opt)
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = float(clip_grad_norm_(self.params, max_norm))
         bad_ranks, means = self._across_ranks(loss_value, grad_norm, buckets or {})
         loss_ok, grad_ok = not bad_ranks["loss"], not bad_ranks["grad_norm"]
         overflow = scaler is not None and loss_ok and not grad_ok

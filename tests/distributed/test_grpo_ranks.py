@@ -22,6 +22,7 @@ REWARD = "tests.distributed.test_grpo_ranks:brightness"
 ITER2_TOL = 1e-6  # max |reward difference| in iteration 2
 ADV2_TOL = 1e-4  # advantages divide by group stds of ~1e-2, amplifying the reward differences
 LORA_TOL = 2e-5  # exported adapter after 2 optimizer steps (lr 3e-3, lora_B reaches ~6e-3)
+TP_ITER1_TOL = 1e-6  # TP 2, iteration 1 (same weights): measured 1.2e-7, the rounding of split matmul sums
 
 
 def brightness(images, prompts=None, metadata=None):
@@ -51,14 +52,16 @@ def _grpo(rank, world, export, run_dir, overrides=()):
         return out
 
     run.sampler.rollout, run.parts.advantage = keep_rollout, keep_advantages
+    ratios = []
     for _ in range(2):
-        step_once(run)
+        metrics = step_once(run)
+        ratios.append((metrics["ratio_min"], metrics["ratio_max"]))
     out = run.finish()
     seconds = time.perf_counter() - t0
     lora = Path(run_dir) / "grpo" / "lora" / "pytorch_lora_weights.safetensors"
     lora = load_file(str(lora)) if rank == 0 and lora.exists() else None
     return {"records": records, "seconds": seconds, "export": str(out), "lora": lora,
-            "layout": run.ranks.describe()}
+            "layout": run.ranks.describe(), "ratios": ratios}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,13 @@ def sp_full(tiny_export, tmp_path_factory):
     """2 ranks as one sequence-parallel group (dp 1), full fine-tuning (a sharded frozen reference)."""
     d = tmp_path_factory.mktemp("grpo_sp")
     return run_ranks(_grpo, str(tiny_export), str(d), ("parallel.sp=2", "policy.lora_rank=0"), world_size=2)
+
+
+@pytest.fixture(scope="module")
+def tp_lora(tiny_export, tmp_path_factory):
+    """2 ranks as one tensor-parallel group (dp 1), LoRA on the TP-sharded projections."""
+    d = tmp_path_factory.mktemp("grpo_tp")
+    return run_ranks(_grpo, str(tiny_export), str(d), ("parallel.tp=2",), world_size=2)
 
 
 def _global(two, it, key):
@@ -149,6 +159,30 @@ def test_sequence_parallel_full_finetuning_matches_single_process_rollout(runs, 
               f"iteration 2 SP rank 0 vs 1 {d_sp:.2e}; wall {sp_full[0]['seconds']:.1f} s")
     assert d_sp == 0.0  # the SP ranks hold one model and gather full outputs: the same samples bitwise
     assert sp_full[0]["lora"] is None and Path(sp_full[0]["export"], "diffusion_pytorch_model.safetensors").is_file()
+
+
+def test_tensor_parallel_grpo_matches_single_process(runs, tp_lora, capsys):
+    one, _ = runs
+    assert "tp 2" in tp_lora[0]["layout"]
+    for r in tp_lora + [one]:  # PPO ratio of iteration 1 (before the only optimizer step) under each layout
+        lo, hi = r["ratios"][0]
+        assert abs(lo - 1) <= 1e-5 and abs(hi - 1) <= 1e-5, r["ratios"]
+    ref = one["records"][0]
+    d_first = max((r["records"][0]["total"] - ref["total"]).abs().max().item() for r in tp_lora)
+    for r in tp_lora:  # both TP ranks sample every prompt with the same noise
+        assert torch.equal(r["records"][0]["sample_ids"], ref["sample_ids"])
+    d_tp = (tp_lora[0]["records"][1]["total"] - tp_lora[1]["records"][1]["total"]).abs().max().item()
+    lora1, lora_tp = one["lora"], tp_lora[0]["lora"]
+    assert set(lora1) == set(lora_tp) and lora1
+    d_lora = max((lora1[k] - lora_tp[k]).abs().max().item() for k in lora1)
+    d_second = (tp_lora[0]["records"][1]["total"] - one["records"][1]["total"]).abs().max().item()
+    with capsys.disabled():
+        print(f"\nTP 2 LoRA: iteration 1 max |d reward| vs 1 process {d_first:.2e}, iteration 2 {d_second:.2e}; "
+              f"TP rank 0 vs 1 {d_tp:.2e}; exported LoRA max |d| {d_lora:.2e}; first ratios "
+              f"{[r['ratios'][0] for r in tp_lora]}; wall {tp_lora[0]['seconds']:.1f} s")
+    assert d_first <= TP_ITER1_TOL, d_first  # not bitwise: the rowwise layers sum their halves' products
+    assert d_tp == 0.0  # the TP ranks hold one model and sample the same: the same rewards bitwise
+    assert d_lora <= LORA_TOL and d_second <= ITER2_TOL
 
 
 NAN_IDS = (0, 1, 2)  # samples of rank 0's share only: rank 0 trains 5 valid samples, rank 1 8

@@ -39,6 +39,24 @@ class FluxAdapter(Backbone):
     lora_targets = JOINT_ATTENTION  # double blocks: image + text projections; single blocks: attn.to_q/k/v
     block_attrs = ("transformer_blocks", "single_transformer_blocks")
 
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """diffusers' own ``FluxTransformer2DModel._tp_plan`` (colwise / rowwise projections in both block
+        kinds), except the single blocks' packed ``proj_out``, which stays replicated behind an all-gather
+        of its two input slices (``gather_input``, :mod:`pretrain.parallel.tensor`), and with the q / k
+        RMS norms added as ``head_norm`` (their weights' gradients summed over the TP ranks; diffusers'
+        plan leaves them plain, which is right for inference only). Raises
+        ``ValueError`` when ``tp`` does not divide the head count or the installed diffusers has no plan."""
+        plan = getattr(type(self.transformer), "_tp_plan", None)
+        if not plan:
+            raise ValueError(f"tensor parallel: {type(self.transformer).__name__} of this diffusers has no _tp_plan")
+        styles = {k: v if isinstance(v, str) else "gather_input" if type(v).__name__ == "PackedRowwiseParallel"
+                  else type(v).__name__ for k, v in plan.items()}  # an unknown style fails in expand_plan
+        for blocks, names in (("transformer_blocks", ("norm_q", "norm_k", "norm_added_q", "norm_added_k")),
+                              ("single_transformer_blocks", ("norm_q", "norm_k"))):
+            styles.update({f"{blocks}.*.attn.{n}": "head_norm" for n in names})
+        self.tp_plan = styles
+        return super().tensor_parallel_plan(tp)
+
     def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int, guidance: float = 3.5):
         super().__init__(transformer)
         self.scheduler_class, self.scheduler_config = type(scheduler), dict(scheduler.config)

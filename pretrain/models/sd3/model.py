@@ -14,6 +14,7 @@ import torch
 
 from pretrain.backbone import Backbone
 from pretrain.models.common import JOINT_ATTENTION
+from pretrain.models.sd3.tensor_parallel import SD3_TP_PLAN
 from pretrain.text_encoder import PromptEmbeds
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class SD3Adapter(Backbone):
     timestep_scale = 1000.0
     lora_targets = SD3_ATTENTION
     block_attrs = ("transformer_blocks",)
+    tp_plan = SD3_TP_PLAN
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """SD3 convention: timestep = sigma * 1000."""

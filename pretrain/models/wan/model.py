@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pretrain.backbone import Backbone
+from pretrain.models.wan.tensor_parallel import WAN_TP_PLAN
 from pretrain.text_encoder import PromptEmbeds
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class WanVideoAdapter(Backbone):
     lora_targets = WAN_ATTENTION
     timestep_scale = 1000.0
     block_attrs = ("blocks",)
+    tp_plan = WAN_TP_PLAN
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """Wan convention: timestep = sigma * ``timestep_scale`` (1000), float32."""
