@@ -29,13 +29,14 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
 
 @dataclass
 class ParallelDims:
-    """Degrees of data replication (HSDP outer dim), data sharding (FSDP), context parallelism (reserved:
-    only ``cp=1`` is implemented), sequence parallelism (Ulysses) and tensor parallelism.
+    """Degrees of data replication (HSDP outer dim), data sharding (FSDP), context parallelism (diffusers'
+    plans, ``context.py``), sequence parallelism (our Ulysses plans, ``sequence.py``) and tensor
+    parallelism (``tensor.py``).
 
     ``dp_shard=-1`` takes whatever the world size leaves after the other degrees. :meth:`resolved` (called
     by ``build_mesh``) raises ``ValueError`` naming every degree and the world size when their product
     differs from it, when a degree is below 1, or naming both keys for a combination that is not
-    supported (``sp`` > 1 with ``tp`` > 1 or ``cp`` > 1: Ulysses reshapes the attention heads itself)."""
+    supported (two of ``sp``, ``cp``, ``tp`` above 1: each splits the attention heads its own way)."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -49,13 +50,10 @@ class ParallelDims:
         for name in ("dp_replicate", "cp", "sp", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.cp != 1:
-            raise ValueError(f"parallel.cp: context parallelism is not implemented yet (cp={self.cp}); use cp=1 "
-                             f"(parallel.sp for Ulysses sequence parallelism)")
-        for other in ("tp", "cp"):
-            if self.sp > 1 and getattr(self, other) > 1:
-                raise ValueError(f"parallel.sp={self.sp} with parallel.{other}={getattr(self, other)}: Ulysses "
-                                 f"sequence parallelism does not compose with {other} yet; use one of them")
+        for a, b in (("sp", "tp"), ("sp", "cp"), ("cp", "tp")):
+            if getattr(self, a) > 1 and getattr(self, b) > 1:
+                raise ValueError(f"parallel.{a}={getattr(self, a)} with parallel.{b}={getattr(self, b)}: these two "
+                                 f"do not compose yet (both split the attention heads); use one of them")
 
     def resolved(self, world_size: int) -> ParallelDims:
         """A copy with ``dp_shard=-1`` replaced by world_size / (dp_replicate * sp * tp), validated."""
@@ -93,18 +91,22 @@ class ParallelDims:
             dp_mesh=flat._unflatten(0, (dims.dp, inner), ("dp", "cp_sp_tp"))["dp"],
             shard_mesh=flat._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp * dims.sp, dims.tp),
                                        ("dp_replicate", "dp_shard_sp", "tp")),
+            cp_mesh=flat._unflatten(0, (dims.dp, 1, dims.cp, dims.sp * dims.tp),
+                                    ("dp", "ring", "ulysses", "sp_tp"))["ring", "ulysses"],
         )
 
 
 @dataclass
 class Mesh:
     """A validated ``ParallelDims`` with its named ``DeviceMesh`` (``mesh["sp"]`` slices it), the 1-D
-    data-parallel view ``dp_mesh`` and the 3-D (dp_replicate, dp_shard_sp, tp) ``shard_mesh``."""
+    data-parallel view ``dp_mesh``, the 3-D (dp_replicate, dp_shard_sp, tp) ``shard_mesh`` and the 2-D
+    ("ring", "ulysses") ``cp_mesh`` of the CP ranks that diffusers' context parallelism takes (ring 1)."""
 
     dims: ParallelDims
     device_mesh: DeviceMesh
     dp_mesh: DeviceMesh
     shard_mesh: DeviceMesh
+    cp_mesh: DeviceMesh
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         return self.device_mesh[names]

@@ -1,4 +1,5 @@
-"""Parallelize a model adapter: tensor parallelism (``tp`` > 1, ``tensor.py``) -> activation
+"""Parallelize a model adapter: tensor parallelism (``tp`` > 1, ``tensor.py``) -> context parallelism
+(``cp`` > 1, ``context.py``) -> activation
 checkpointing -> compile -> FSDP2, torchtitan's order (``torchtitan/models/flux/parallelize.py``).
 
 FSDP2 (``fully_shard``) is applied to every block the adapter lists (:meth:`pretrain.backbone.Backbone.blocks`:
@@ -74,8 +75,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
     """``fully_shard`` each block (:func:`block_units`; the last without resharding after forward), then the root.
 
     Frozen parameters are cast to ``param_dtype`` first; with LoRA layers present, units compute each
-    parameter in its stored dtype (see the module docstring). With ``sp`` > 1 the shard mesh includes the SP
-    ranks; they hold the same samples, so gradients are summed over them and averaged only over the
+    parameter in its stored dtype (see the module docstring). With ``sp`` or ``cp`` > 1 the shard mesh
+    includes the SP / CP ranks; they hold the same samples, so gradients are summed over them and averaged only over the
     ``dims.dp`` data shards (``set_gradient_divide_factor``). This matches a loss computed on the gathered
     full output on every SP rank (``sequence.py``)."""
     for p in model.parameters():
@@ -88,7 +89,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
-    if mesh.dims.sp > 1:
+    if mesh.dims.sp * mesh.dims.cp > 1:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(float(mesh.dims.dp))
@@ -98,7 +99,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
 def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
                 blocks: list[torch.nn.Module] | None = None) -> torch.nn.Module:
     """Apply tensor parallelism (``mesh.tp_size`` > 1: the adapter's plan over ``mesh.tp_mesh()``),
-    activation checkpointing, compile and FSDP2 to ``model`` in place, in torchtitan's order; returns
+    context parallelism (``cp`` > 1: the denoiser's diffusers plan over ``mesh.cp_mesh``), activation
+    checkpointing, compile and FSDP2 to ``model`` in place, in torchtitan's order; returns
     ``model``. ``model``: a :class:`pretrain.backbone.Backbone` adapter (its ``blocks()`` are the
     units), or any module with its ``blocks`` given (e.g. a bare diffusers denoiser and
     ``Adapter.blocks_of(denoiser)``). Raises ``ValueError`` (:func:`block_units`) for a model without blocks.
@@ -112,6 +114,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
         from pretrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.tp_mesh())
+    if mesh.dims.cp > 1:
+        from pretrain.parallel.context import enable_context_parallel
+
+        enable_context_parallel(model, mesh.cp_mesh)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, blocks)
     if cfg.compile:

@@ -18,10 +18,10 @@ def test_degrees_must_multiply_to_world_size():
         ParallelDims(sp=4).resolved(2)
     with pytest.raises(ValueError, match=r"cp=1 x sp=1 x tp=4 = 4 does not divide the world size 6"):
         ParallelDims(tp=4).resolved(6)
-    with pytest.raises(ValueError, match=r"parallel.sp=2 with parallel.tp=2: Ulysses"):
-        ParallelDims(sp=2, tp=2).resolved(4)
-    with pytest.raises(ValueError, match=r"parallel.cp: context parallelism is not implemented yet"):
-        ParallelDims(cp=2).resolved(2)
+    for a, b in (("sp", "tp"), ("sp", "cp"), ("cp", "tp")):
+        with pytest.raises(ValueError, match=rf"parallel.{a}=2 with parallel.{b}=2: these two do not compose"):
+            ParallelDims(**{a: 2, b: 2}).resolved(4)
+    assert ParallelDims(cp=2).resolved(4) == ParallelDims(1, 2, 1, 1, 2)
     assert ParallelDims(sp=2).resolved(8) == ParallelDims(1, 4, 2, 1)
     assert ParallelDims(tp=2).resolved(8) == ParallelDims(1, 4, 1, 2)
     assert ParallelDims(dp_replicate=2).resolved(8).dp == 8
@@ -43,10 +43,12 @@ def test_parallel_config_validation(tmp_path):
 def _ranks(rank, world):
     out = {}
     for name, dims in {"fsdp": ParallelDims(), "sp": ParallelDims(dp_shard=1, sp=2),
-                       "hsdp": ParallelDims(dp_replicate=2, dp_shard=1), "tp": ParallelDims(dp_shard=1, tp=2)}.items():
+                       "hsdp": ParallelDims(dp_replicate=2, dp_shard=1), "tp": ParallelDims(dp_shard=1, tp=2),
+                       "cp": ParallelDims(dp_shard=1, cp=2)}.items():
         mesh = dims.build_mesh()
         out[name] = (mesh.dp_rank, mesh.dp_size, mesh.sp_rank, mesh.sp_size, tuple(mesh.fsdp_mesh().shape),
-                     mesh.device_mesh.mesh_dim_names, mesh.tp_mesh().get_local_rank(), mesh.tp_size)
+                     mesh.device_mesh.mesh_dim_names, mesh.tp_mesh().get_local_rank(), mesh.tp_size,
+                     mesh.cp_mesh["ulysses"].get_local_rank(), mesh.cp_mesh["ulysses"].size())
     mesh = ParallelDims().build_mesh()
     start, stop = shard_bounds(6, mesh.dp_rank, mesh.dp_size)
     rewards = torch.arange(start, stop, dtype=torch.float32) * 10  # stands for per-sample rewards
@@ -69,10 +71,11 @@ def test_mesh_ranks_and_sample_gather_on_two_processes():
     results = run_ranks(_ranks)
     names = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
     for rank, got in enumerate(results):
-        assert got["fsdp"] == (rank, 2, 0, 1, (2,), names, 0, 1)  # data split over both ranks
-        assert got["sp"] == (0, 1, rank, 2, (2,), names, 0, 1)  # one data shard, tokens split, FSDP over both
-        assert got["hsdp"] == (rank, 2, 0, 1, (2, 1), names, 0, 1)  # 2-D mesh: replicate x shard
-        assert got["tp"] == (0, 1, 0, 1, (1,), names, rank, 2)  # one data shard, layers split
+        assert got["fsdp"] == (rank, 2, 0, 1, (2,), names, 0, 1, 0, 1)  # data split over both ranks
+        assert got["sp"] == (0, 1, rank, 2, (2,), names, 0, 1, 0, 1)  # one data shard, tokens split, FSDP over both
+        assert got["hsdp"] == (rank, 2, 0, 1, (2, 1), names, 0, 1, 0, 1)  # 2-D mesh: replicate x shard
+        assert got["tp"] == (0, 1, 0, 1, (1,), names, rank, 2, 0, 1)  # one data shard, layers split
+        assert got["cp"] == (0, 1, 0, 1, (2,), names, 0, 1, rank, 2)  # one data shard, tokens split, FSDP over both
         torch.testing.assert_close(got["gathered"], torch.tensor([0.0, 10, 20, float("nan"), 40, 50]), rtol=0, atol=0,
                                    equal_nan=True)  # rank order = single-process order
         assert got["error"] == "parallel: dp_replicate=1 x dp_shard=4 x cp=1 x sp=1 x tp=1 = 4 != world size 2"

@@ -42,7 +42,7 @@ def flux():
     model = FluxAdapter(transformer, FlowMatchEulerDiscreteScheduler(), image_seq_len=16)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 4, 8, 8, generator=g)  # packed 2x2: 16 tokens of 16 channels
-    embeds = PromptEmbeds(torch.randn(4, 5, TEXT_DIM, generator=g), torch.randn(4, TEXT_DIM, generator=g))
+    embeds = PromptEmbeds(torch.randn(4, 6, TEXT_DIM, generator=g), torch.randn(4, TEXT_DIM, generator=g))
     return model, (x, torch.rand(4, generator=g), embeds), torch.randn(4, 4, 8, 8, generator=g)
 
 
@@ -75,7 +75,7 @@ def with_lora(model):
     return model
 
 
-def _rel(a: dict, b: dict) -> tuple[float, str]:
+def rel_diff(a: dict, b: dict) -> tuple[float, str]:
     """(largest relative difference max|a - b| / max|b| over the tensors of ``b``, its name)."""
     return max((float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)), k) for k in b)
 
@@ -102,7 +102,7 @@ def _tp_equals_one_process(rank, world, family, lora, dp_shard):
     heads = [m.heads for m in model.transformer.modules() if hasattr(m, "heads") and hasattr(m, "to_q")]
     return dict(sharded=sharded, heads=sorted(set(heads)), same_names=set(grads) == set(want),
                 n_grads=len(want), out_diff=float((out - out_ref[rows]).abs().max().detach()),
-                out_max=float(out_ref.abs().max()), grad_rel=_rel(grads, want)[0], worst=_rel(grads, want)[1],
+                out_max=float(out_ref.abs().max()), grad_rel=rel_diff(grads, want)[0], worst=rel_diff(grads, want)[1],
                 param_diff=max(float((params[k] - params_ref[k]).abs().max()) for k in params_ref))
 
 

@@ -1,5 +1,6 @@
-"""Ulysses sequence parallelism (SP = 2) on the tiny Wan video transformer equals SP = 1: outputs,
-gradients, and the log-probs of a video rollout recomputed under SP (the GRPO ratio == 1 invariant)."""
+"""Ulysses sequence parallelism (our plan, SP = 2) and diffusers' context parallelism (CP = 2) on the
+tiny Wan video transformer equal one process: outputs, gradients, and the log-probs of a video rollout
+recomputed under SP / CP (the GRPO ratio == 1 invariant)."""
 
 import pytest
 import torch
@@ -24,14 +25,21 @@ def tiny_video_model(seed: int = 0):
     return WanVideoAdapter(build_wan_transformer("tiny", {}, 12, TEXT_DIM))
 
 
-def _video_sp(rank, world):
+def _layout(mesh_dims, model):
+    """Install SP (our Ulysses plan) or nothing (CP is installed by ``parallelize``) on ``model``."""
+    mesh = mesh_dims.build_mesh() if isinstance(mesh_dims, ParallelDims) else mesh_dims
+    if mesh.dims.sp > 1:
+        enable_sequence_parallel(model, mesh.sp_group)
+    return mesh
+
+
+def _video_sp(rank, world, layout):
     from rollout.config import RolloutConfig
     from rollout.sampler import Sampler, log_prob
 
-    mesh = ParallelDims(dp_shard=1, sp=2).build_mesh()
     ref, model = tiny_video_model(), tiny_video_model()
-    enable_sequence_parallel(model, mesh.sp_group)
-    parallelize(model, mesh, ParallelConfig())  # FSDP over the 2 SP ranks, gradients summed over them
+    mesh = _layout(ParallelDims(dp_shard=1, **{layout: 2}), model)
+    parallelize(model, mesh, ParallelConfig())  # (CP, then) FSDP over the 2 ranks, gradients summed over them
     seen = []
     model.transformer.blocks[0].attn1.register_forward_pre_hook(
         lambda _m, args, kw: seen.append((args[0] if args else kw["hidden_states"]).shape[1]), with_kwargs=True)
@@ -62,7 +70,11 @@ def _video_sp(rank, world):
                   lp_finite=bool(torch.isfinite(traj.log_probs).all()))
     errors = {}
     odd = tiny_video_model()
-    enable_sequence_parallel(odd, mesh.sp_group)
+    _layout(mesh, odd)
+    if layout == "cp":
+        from pretrain.parallel.context import enable_context_parallel
+
+        enable_context_parallel(odd, mesh.cp_mesh)
     try:
         odd(torch.randn(1, 12, 3, 2, 2), sigma[:1], embeds[:1])  # 3 frames x 1 x 1 patches = 3 tokens
     except ValueError as e:
@@ -70,13 +82,13 @@ def _video_sp(rank, world):
     return result, errors
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(_video_sp)
+@pytest.fixture(scope="module", params=["sp", "cp"])
+def results(request):
+    return request.param, run_ranks(_video_sp, request.param)
 
 
 def test_video_sp2_outputs_gradients_and_log_probs_equal_sp1(results):
-    for result, _ in results:
+    for result, _ in results[1]:
         print(result)
         assert result["tokens_per_rank"] == 32  # 64 video tokens split over 2 ranks
         assert result["images"] == (2, FRAMES, 3, SIZE, SIZE) and result["lp_finite"]
@@ -86,5 +98,8 @@ def test_video_sp2_outputs_gradients_and_log_probs_equal_sp1(results):
 
 
 def test_video_sp_degree_must_divide_the_tokens(results):
-    for _, errors in results:
-        assert errors["tokens"] == "sequence parallel: sp=2 does not divide the 3 video tokens"
+    want = {"sp": "sequence parallel: sp=2 does not divide the 3 video tokens",
+            "cp": "context parallel: parallel.cp=2 does not divide the tokens of an input WanTransformer3DModel's "
+                  "plan splits (hidden_states [1, 12, 3, 2, 2], timestep [1], encoder_hidden_states [1, 5, 32])"}
+    for _, errors in results[1]:
+        assert errors["tokens"] == want[results[0]]
