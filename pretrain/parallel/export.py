@@ -40,9 +40,23 @@ def _skeleton(transformer: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
+def _plain_adapter(model: torch.nn.Module, transformer: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s adapter settings (schedulers, guidance, ...) around ``transformer``, as its plain
+    class and without the hooks ``fully_shard`` put on the root (the module's registries are copied, so
+    ``model`` is untouched). Pipeline-folder adapters take a
+    scheduler object that ``export_settings`` does not record, so ``from_settings`` cannot rebuild them."""
+    plain = object.__new__(_plain_class(model))  # FSDP2's class would re-run __init__ on copy
+    for name, value in model.__dict__.items():
+        if name.startswith("_") and isinstance(value, dict):
+            value = type(value)() if "hooks" in name else type(value)(value)
+        plain.__dict__[name] = value
+    plain._modules["transformer"] = transformer
+    return plain
+
+
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
-    """Collective: on rank 0, a plain CPU copy of ``model`` (a model adapter, rebuilt with its
-    :meth:`~pretrain.backbone.Backbone.export_settings`, or a diffusers denoiser, FSDP2-sharded or not)
+    """Collective: on rank 0, a plain CPU copy of ``model`` (a model adapter, its settings kept
+    (:func:`_plain_adapter`), or a diffusers denoiser; FSDP2-, TP- or CP-sharded or not)
     with the same parameter names, values and dtypes; None on other ranks."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not _is_rank0():
@@ -51,7 +65,7 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
     if inner is None:
         plain = _skeleton(model)
     else:
-        plain = _plain_class(model).from_settings(_skeleton(inner), model.export_settings())
+        plain = _plain_adapter(model, _skeleton(inner))
     plain.load_state_dict(full, strict=True, assign=True)
     return plain.requires_grad_(False)
 
