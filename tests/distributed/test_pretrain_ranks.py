@@ -85,6 +85,25 @@ def test_two_ranks_train_what_one_process_trains(runs, capsys):
     assert d_loss <= LOSS_RTOL and d_param <= PARAM_TOL * moved
 
 
+def test_tensor_parallel_pretraining_trains_what_one_process_trains(runs, tmp_path, capsys):
+    """TP 2 (one data shard: both ranks run every sample, each with half of every projection): the same
+    losses and weights as one process, and a DCP checkpoint of the TP x FSDP shards."""
+    init, one, _ = runs
+    tp = run_ranks(_pretrain, str(tmp_path), ("parallel.tp=2",), world_size=2)[0]
+    loss1 = [r["loss"] for r in one["metrics"] if "loss" in r]
+    loss_tp = [r["loss"] for r in tp["metrics"] if "loss" in r]
+    d_loss = max(abs(a - b) / abs(a) for a, b in zip(loss1, loss_tp))
+    w1, w_tp = one["weights"], tp["weights"]
+    assert set(w1) == set(w_tp) == set(init)
+    moved = max((w1[k] - init[k]).abs().max().item() for k in w1)
+    d_param = max((w1[k] - w_tp[k]).abs().max().item() for k in w1)
+    with capsys.disabled():
+        print(f"\npretrain 1 process vs TP 2: loss rel |d| {d_loss:.2e}; params max |d| {d_param:.2e} vs max change "
+              f"{moved:.2e} (ratio {d_param / moved:.2e})")
+    assert len(loss_tp) == 2 and d_loss <= LOSS_RTOL and d_param <= PARAM_TOL * moved
+    assert tp["checkpoints"] == ["__0_0.distcp", "__1_0.distcp"]
+
+
 def test_rank_0_writes_one_run(runs):
     _, one, two = runs
     steps = [r["step"] for r in two[0]["metrics"]]
