@@ -11,6 +11,10 @@ e.g. the last SD3 block's missing context MLP, are skipped) to a style:
   features (attention heads ``[r H/tp, (r+1) H/tp)``, or a slice of the MLP's hidden units).
 - ``"rowwise"``: ``RowwiseParallel`` -- weight ``Shard(1)``, bias replicated; takes the slice a colwise
   layer produced and all-reduces the partial products, so the output is whole again on every rank.
+- ``"colwise_gather"``: ``ColwiseParallel(output_layouts=Replicate())`` -- weight sharded like colwise, the
+  output all-gathered. For the AdaLN modulation projections (conditioning ``[B, D]`` -> ``[B, 6 D]``, a
+  third of an MMDiT block's weights): their outputs are one vector per sample, so gathering them costs
+  nothing next to the token activations, and the weights no longer sit whole on every TP rank.
 - ``"gather_input"``: the layer stays replicated and its input, ``len(blocks)`` column slices made by
   colwise layers side by side (FLUX's single-block ``proj_out`` reads ``cat([attention, mlp])``), is
   all-gathered slice by slice first (:func:`gather_blocks`). diffusers shards that layer packed-rowwise
@@ -25,7 +29,8 @@ e.g. the last SD3 block's missing context MLP, are skipped) to a style:
   weight ``Shard(0)``; the mean square is summed over the TP ranks (:class:`ShardedRMSNorm`).
 
 LoRA (peft ``LoraLayer``): the base layer gets the style, and the adapters follow it so that the adapter
-path has the base's layout: under a colwise base, ``lora_B`` is colwise and ``lora_A`` stays replicated
+path has the base's layout: under a colwise base (or colwise_gather), ``lora_B`` is styled like it and
+``lora_A`` stays replicated
 (its input gradient arrives whole through ``lora_B``'s input all-reduce); under a rowwise base, ``lora_A``
 is rowwise (an all-reduce of ``r`` features) and ``lora_B`` stays replicated. Every replicated parameter
 then gets the same, complete gradient on every TP rank, so FSDP2 (applied after, over the data-parallel
@@ -41,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-STYLES = ("colwise", "rowwise", "gather_input", "norm_across_heads", "head_norm")
+STYLES = ("colwise", "rowwise", "colwise_gather", "gather_input", "norm_across_heads", "head_norm")
 
 
 def expand_plan(root: torch.nn.Module, plan: dict[str, str]) -> list[tuple[str, torch.nn.Module, str]]:
@@ -120,6 +125,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
     and FSDP2 (torchtitan's order). Attention modules are left with this rank's head count
     (:func:`local_heads`). Raises ``ValueError`` from the family (no plan, heads not divisible
     by the TP degree) or :func:`expand_plan`."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
@@ -148,9 +154,11 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
             gather_blocks(module, blocks, mesh)
         else:
             base, lora_a, lora_b = _base_and_adapters(module)
-            parallelize_module(base, mesh, ColwiseParallel() if style == "colwise" else RowwiseParallel())
-            for adapter in (lora_b if style == "colwise" else lora_a):
-                parallelize_module(adapter, mesh, ColwiseParallel() if style == "colwise" else RowwiseParallel())
+            parallel = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                        "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate())}[style]
+            parallelize_module(base, mesh, parallel())
+            for adapter in (lora_a if style == "rowwise" else lora_b):
+                parallelize_module(adapter, mesh, parallel())
         sharded += 1
     return sharded
 

@@ -44,7 +44,8 @@ class FluxAdapter(Backbone):
         kinds), except the single blocks' packed ``proj_out``, which stays replicated behind an all-gather
         of its two input slices (``gather_input``, :mod:`pretrain.parallel.tensor`), and with the q / k
         RMS norms added as ``head_norm`` (their weights' gradients summed over the TP ranks; diffusers'
-        plan leaves them plain, which is right for inference only). Raises
+        plan leaves them plain, which is right for inference only), and with the AdaLN modulation
+        projections sharded, their per-sample outputs gathered (``colwise_gather``). Raises
         ``ValueError`` when ``tp`` does not divide the head count or the installed diffusers has no plan."""
         plan = getattr(type(self.transformer), "_tp_plan", None)
         if not plan:
@@ -54,6 +55,9 @@ class FluxAdapter(Backbone):
         for blocks, names in (("transformer_blocks", ("norm_q", "norm_k", "norm_added_q", "norm_added_k")),
                               ("single_transformer_blocks", ("norm_q", "norm_k"))):
             styles.update({f"{blocks}.*.attn.{n}": "head_norm" for n in names})
+        styles.update({p: "colwise_gather" for p in ("transformer_blocks.*.norm1.linear", "norm_out.linear",
+                                                       "transformer_blocks.*.norm1_context.linear",
+                                                       "single_transformer_blocks.*.norm.linear")})
         self.tp_plan = styles
         return super().tensor_parallel_plan(tp)
 

@@ -4,8 +4,9 @@ gives FLUX's double-stream blocks (``FluxTransformer2DModel._tp_plan``; diffuser
 TP rank computes heads ``[r H/tp, (r+1) H/tp)`` for both streams, the joint attention needs nothing
 else), the two output projections rowwise; both MLPs colwise up, rowwise down; SD3.5's second
 (image-only) attention ``attn2`` the same way. The q / k RMS norms (over one head's ``head_dim``, SD3.5)
-keep their weight whole and get their gradient all-reduced (``head_norm``); AdaLN modulation and the
-embeddings stay replicated."""
+keep their weight whole and get their gradient all-reduced (``head_norm``). The AdaLN modulation
+projections (a third of a block's weights) are sharded with their per-sample outputs gathered
+(``colwise_gather``); the embeddings stay replicated."""
 
 SD3_TP_PLAN: dict[str, str] = {
     **{f"transformer_blocks.*.{attn}.{p}": "colwise" for attn in ("attn", "attn2")
@@ -18,4 +19,7 @@ SD3_TP_PLAN: dict[str, str] = {
     **{f"transformer_blocks.*.{ff}.net.2": "rowwise" for ff in ("ff", "ff_context")},
     **{f"transformer_blocks.*.attn.{n}": "head_norm" for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")},
     **{f"transformer_blocks.*.attn2.{n}": "head_norm" for n in ("norm_q", "norm_k")},
+    "transformer_blocks.*.norm1.linear": "colwise_gather",
+    "transformer_blocks.*.norm1_context.linear": "colwise_gather",
+    "norm_out.linear": "colwise_gather",
 }
