@@ -1,5 +1,5 @@
 """Tensor parallelism of SD3, FLUX and Wan (``pretrain/parallel/tensor.py`` with each family's plan):
-TP = 2 on 2 ranks, and TP = 2 x FSDP = 2 on 4 ranks, equal one process -- forward outputs within 1e-5,
+TP = 2 on 2 ranks, and TP = 2 x FSDP = 2 on 4 ranks (with activation checkpointing), equal one process -- forward outputs within 1e-5,
 LoRA gradients within 1e-5 relative, and after an optimizer step the gathered adapter weights."""
 
 import pytest
@@ -80,13 +80,13 @@ def rel_diff(a: dict, b: dict) -> tuple[float, str]:
     return max((float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)), k) for k in b)
 
 
-def _tp_equals_one_process(rank, world, family, lora, dp_shard):
+def _tp_equals_one_process(rank, world, family, lora, dp_shard, checkpointing=False):
     mesh = ParallelDims(dp_shard=dp_shard, tp=2).build_mesh()
     model, inputs, target = FAMILIES[family]()
     ref, _, _ = FAMILIES[family]()
     if lora:
         model, ref = with_lora(model), with_lora(ref)
-    parallelize(model, mesh, ParallelConfig())
+    parallelize(model, mesh, ParallelConfig(activation_checkpointing=checkpointing))  # TP, (AC,) FSDP2
     sharded = sum(type(p).__name__ == "DTensor" and "Shard" in str(p.placements) for p in model.parameters())
     rows = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2) if dp_shard > 1 else slice(0, 4)
     x, sigma, embeds = inputs
@@ -120,7 +120,8 @@ def test_tp2_equals_one_process(family, lora):
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "wan"])
 def test_tp2_x_fsdp2_equals_one_process(family):
-    for r in run_ranks(_tp_equals_one_process, family, True, 2, world_size=4):
+    """4 ranks, 2 data shards of 2 samples; activation checkpointing between TP and FSDP2 (torchtitan's order)."""
+    for r in run_ranks(_tp_equals_one_process, family, True, 2, True, world_size=4):
         print(family, r)
         assert r["sharded"] > 0 and r["same_names"]
         assert r["out_diff"] <= 1e-5 * max(1.0, r["out_max"]), r
