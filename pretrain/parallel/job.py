@@ -123,9 +123,15 @@ class JobRanks:
         any, in torchtitan's order: the ``low_precision`` conversion of their denoisers (a
         :class:`~pretrain.runtime.low_precision.LowPrecisionConfig`; also in one process), then Ulysses SP
         (``parallel.sp`` > 1), then tensor parallelism (``parallel.tp`` > 1) and FSDP2 (:func:`parallelize`). ``compile_blocks`` joins ``parallel.compile``: one per-block
-        compile. Sharding is a no-op in one process."""
+        compile. Sharding is a no-op in one process. ``ConfigError`` naming both keys for low precision
+        with ``parallel.tp`` > 1."""
         if low_precision is not None and low_precision.enabled:
             from pretrain.runtime.low_precision import convert
+
+            if self.mesh and self.mesh.tp_size > 1:
+                raise ConfigError(f"train.low_precision.recipe={low_precision.recipe} with parallel.tp="
+                                  f"{self.mesh.tp_size}: low-precision layers are not nn.Linear, which the "
+                                  f"tensor-parallel plans shard; use one of them")
 
             for m in (model, reference):
                 if m is not None:
