@@ -33,7 +33,8 @@ def _name_bad_splits(transformer: torch.nn.Module, cp: int) -> None:
         except AssertionError as e:
             if "divisible by mesh size" not in str(e):
                 raise
-            shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+            named = [*((f"arg {i}", a) for i, a in enumerate(args)), *kwargs.items()]
+            shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in named if isinstance(v, torch.Tensor))
             raise ValueError(f"context parallel: parallel.cp={cp} does not divide the tokens of an input "
                              f"{type(transformer).__name__}'s plan splits ({shapes})") from None
 

@@ -56,7 +56,7 @@ class ParallelDims:
                                  f"do not compose yet (both split the attention heads); use one of them")
 
     def resolved(self, world_size: int) -> ParallelDims:
-        """A copy with ``dp_shard=-1`` replaced by world_size / (dp_replicate * sp * tp), validated."""
+        """A copy with ``dp_shard=-1`` replaced by world_size / (dp_replicate * cp * sp * tp), validated."""
         dims = ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp)
         dims.check()
         others = dims.dp_replicate * dims.cp * dims.sp * dims.tp

@@ -3,7 +3,7 @@
 :class:`JobRanks` joins the process group (a no-op in one process), builds the mesh, refuses what
 does not shard (EMA), gives this rank's contiguous share of a global batch (``shard_bounds`` over the
 data-parallel ranks; sequence-parallel ranks of one group get the same share), averages logged
-scalars over the data-parallel ranks, shards the model (Ulysses SP, then FSDP2), and runs the
+scalars over the data-parallel ranks, shards the model (Ulysses SP, TP, CP, then FSDP2), and runs the
 collective outputs (grids, exports) on every rank while only rank 0 writes. In one process every
 method is the identity or a plain call, so single-process runs are unchanged bit for bit.
 """
@@ -122,16 +122,17 @@ class JobRanks:
         """Prepare ``model`` (peft adapters already added) and a frozen full-fine-tuning ``reference`` if
         any, in torchtitan's order: the ``low_precision`` conversion of their denoisers (a
         :class:`~pretrain.runtime.low_precision.LowPrecisionConfig`; also in one process), then Ulysses SP
-        (``parallel.sp`` > 1), then tensor parallelism (``parallel.tp`` > 1) and FSDP2 (:func:`parallelize`). ``compile_blocks`` joins ``parallel.compile``: one per-block
+        (``parallel.sp`` > 1), then tensor / context parallelism (``parallel.tp`` / ``parallel.cp`` > 1) and
+        FSDP2 (:func:`parallelize`). ``compile_blocks`` joins ``parallel.compile``: one per-block
         compile. Sharding is a no-op in one process. ``ConfigError`` naming both keys for low precision
-        with ``parallel.tp`` > 1."""
+        with ``parallel.tp`` > 1, and for compile with ``parallel.tp`` > 1."""
         if low_precision is not None and low_precision.enabled:
             from pretrain.runtime.low_precision import convert
 
             if self.mesh and self.mesh.tp_size > 1:
                 raise ConfigError(f"train.low_precision.recipe={low_precision.recipe} with parallel.tp="
-                                  f"{self.mesh.tp_size}: low-precision layers are not nn.Linear, which the "
-                                  f"tensor-parallel plans shard; use one of them")
+                                  f"{self.mesh.tp_size}: the converted layers' low-precision weights and "
+                                  f"scales are not wired through the tensor-parallel plans; use one of them")
 
             for m in (model, reference):
                 if m is not None:
@@ -145,6 +146,10 @@ class JobRanks:
                 if m is not None:
                     enable_sequence_parallel(m, self.mesh.sp_group)
         pcfg = replace(parallel, compile=parallel.compile or compile_blocks)
+        if pcfg.compile and self.mesh.tp_size > 1:
+            raise ConfigError(f"parallel.compile / perf.compile with parallel.tp={self.mesh.tp_size}: the TP plans' "
+                              f"own collectives (Wan's sharded q/k norm, FLUX's gathered proj_out input) do not "
+                              f"trace under torch.compile yet; turn compile off")
         parallelize(model, self.mesh, pcfg)
         if reference is not None:
             parallelize(reference, self.mesh, pcfg)

@@ -35,13 +35,21 @@ def param_checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
 
 
 def shard_key(model: torch.nn.Module) -> tuple[int, ...]:
-    """This rank's coordinates on the mesh dimensions its parameters are sharded over (``()`` when they
-    are not sharded): ranks with equal keys hold the same part of the model and must be equal."""
-    p = next((p for p in model.parameters() if hasattr(p, "placements")), None)
-    if p is None:
-        return ()
-    coord = p.device_mesh.get_coordinate() or []
-    return tuple(c for c, pl in zip(coord, p.placements) if pl.is_shard())
+    """This rank's coordinates on the mesh dimensions any of its parameters is sharded over, in order of
+    first appearance (``()`` when none is sharded): ranks with equal keys hold the same part of the
+    model and must be equal. Every parameter counts, since under TP x FSDP the parameters live on
+    different meshes (FSDP's 1-D ``dp_shard_sp``, the TP layers' 2-D ``(dp_shard_sp, tp)``)."""
+    coords: dict[str, int] = {}
+    for p in model.parameters():
+        if not hasattr(p, "placements"):
+            continue
+        mesh = p.device_mesh
+        coord = mesh.get_coordinate() or []
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        for name, c, pl in zip(names, coord, p.placements):
+            if pl.is_shard():
+                coords.setdefault(name, c)
+    return tuple(coords.values())
 
 
 def compare(records: list[tuple[int, tuple, list[str], torch.Tensor]]) -> list[str]:

@@ -31,7 +31,7 @@ e.g. the last SD3 block's missing context MLP, are skipped) to a style:
 LoRA (peft ``LoraLayer``): the base layer gets the style, and the adapters follow it so that the adapter
 path has the base's layout: under a colwise base (or colwise_gather), ``lora_B`` is styled like it and
 ``lora_A`` stays replicated
-(its input gradient arrives whole through ``lora_B``'s input all-reduce); under a rowwise base, ``lora_A``
+(the gradient of its output arrives whole through ``lora_B``'s input all-reduce); under a rowwise base, ``lora_A``
 is rowwise (an all-reduce of ``r`` features) and ``lora_B`` stays replicated. Every replicated parameter
 then gets the same, complete gradient on every TP rank, so FSDP2 (applied after, over the data-parallel
 ranks) reduces it as before. Replicated activations (norms, modulation, embeddings) are computed in full
@@ -43,7 +43,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "gather_input", "norm_across_heads", "head_norm")
@@ -75,7 +74,7 @@ class ShardedRMSNorm(torch.nn.Module):
         super().__init__()
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        self.eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+        self.eps = norm.eps  # None: the input dtype's eps, as torch.nn.RMSNorm
         self.full_dim = norm.normalized_shape[-1]
         self.group = mesh.get_group()
         self.weight = None
@@ -88,7 +87,8 @@ class ShardedRMSNorm(torch.nn.Module):
 
         square = x.float().pow(2).sum(-1, keepdim=True)
         mean = all_reduce(square, group=self.group) / self.full_dim
-        out = (x.float() * torch.rsqrt(mean + self.eps)).to(x.dtype)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        out = (x.float() * torch.rsqrt(mean + eps)).to(x.dtype)
         return out * self.weight.to_local() if self.weight is not None else out
 
 
@@ -130,10 +130,10 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
                                                    parallelize_module)
 
     tp = mesh.size()
-    plan = model.tensor_parallel_plan(tp)
+    plan = expand_plan(model.transformer, model.tensor_parallel_plan(tp))  # validates before any change
     local_heads(model.transformer, tp)
     sharded = 0
-    for name, module, style in expand_plan(model.transformer, plan):
+    for name, module, style in plan:
         if style == "norm_across_heads":
             if not isinstance(module, torch.nn.RMSNorm):
                 continue  # no norm (Identity) is the same on every slice
@@ -147,10 +147,11 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
             for n, p in module.named_parameters():  # SequenceParallel makes new, trainable Parameters
                 p.requires_grad_(n not in frozen)
         elif style == "gather_input":
-            blocks = getattr(module, "_tp_packed_row_blocks", None)
-            if not blocks or sum(blocks) != module.in_features or any(b % tp for b in blocks):
-                raise ValueError(f"tensor parallel: '{name}' needs input blocks divisible by tp={tp} "
-                                 f"summing to its {module.in_features} input features, got {blocks}")
+            base = _base_and_adapters(module)[0]  # a LoRA target's blocks sit on its base layer
+            blocks = getattr(base, "_tp_packed_row_blocks", None)
+            if not blocks or sum(blocks) != base.in_features or any(b % tp for b in blocks):
+                raise ValueError(f"tensor parallel: '{name}' needs input blocks divisible by parallel.tp={tp} "
+                                 f"summing to its {base.in_features} input features, got {blocks}")
             gather_blocks(module, blocks, mesh)
         else:
             base, lora_a, lora_b = _base_and_adapters(module)
@@ -171,6 +172,7 @@ def local_heads(model: torch.nn.Module, tp: int) -> None:
         heads = getattr(module, "heads", None)
         if isinstance(heads, int) and hasattr(module, "to_q"):
             if heads % tp:
-                raise ValueError(f"tensor parallel: tp={tp} does not divide the {heads} attention heads of '{name}'")
+                raise ValueError(f"tensor parallel: parallel.tp={tp} does not divide the {heads} attention heads "
+                                 f"of '{name}'")
             module.heads = heads // tp
 

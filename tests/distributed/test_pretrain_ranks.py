@@ -87,9 +87,10 @@ def test_two_ranks_train_what_one_process_trains(runs, capsys):
 
 def test_tensor_parallel_pretraining_trains_what_one_process_trains(runs, tmp_path, capsys):
     """TP 2 (one data shard: both ranks run every sample, each with half of every projection): the same
-    losses and weights as one process, and a DCP checkpoint of the TP x FSDP shards."""
+    losses and weights as one process, and a DCP checkpoint of the TP x FSDP shards. The replica check
+    runs every step: TP ranks hold different shards and must not be compared as replicas."""
     init, one, _ = runs
-    tp = run_ranks(_pretrain, str(tmp_path), ("parallel.tp=2",), world_size=2)[0]
+    tp = run_ranks(_pretrain, str(tmp_path), ("parallel.tp=2", "train.replica_check_every=1"), world_size=2)[0]
     loss1 = [r["loss"] for r in one["metrics"] if "loss" in r]
     loss_tp = [r["loss"] for r in tp["metrics"] if "loss" in r]
     d_loss = max(abs(a - b) / abs(a) for a, b in zip(loss1, loss_tp))
