@@ -68,16 +68,21 @@ def runs(tmp_path_factory):
     return one["init"], one, two
 
 
+def _compare(init, one, other):
+    """(losses of one process, max relative loss difference, max |parameter difference|, max parameter
+    change over the run) between the one-process run and ``other`` (rank 0's result)."""
+    loss1 = [r["loss"] for r in one["metrics"] if "loss" in r]
+    loss2 = [r["loss"] for r in other["metrics"] if "loss" in r]
+    assert len(loss1) == len(loss2) == 2
+    w1, w2 = one["weights"], other["weights"]
+    assert set(w1) == set(w2) == set(init)
+    return (loss1, max(abs(a - b) / abs(a) for a, b in zip(loss1, loss2)),
+            max((w1[k] - w2[k]).abs().max().item() for k in w1), max((w1[k] - init[k]).abs().max().item() for k in w1))
+
+
 def test_two_ranks_train_what_one_process_trains(runs, capsys):
     init, one, two = runs
-    loss1 = [r["loss"] for r in one["metrics"] if "loss" in r]
-    loss2 = [r["loss"] for r in two[0]["metrics"] if "loss" in r]
-    assert len(loss1) == len(loss2) == 2
-    d_loss = max(abs(a - b) / abs(a) for a, b in zip(loss1, loss2))
-    w1, w2 = one["weights"], two[0]["weights"]
-    assert set(w1) == set(w2) == set(init)
-    moved = max((w1[k] - init[k]).abs().max().item() for k in w1)
-    d_param = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    loss1, d_loss, d_param, moved = _compare(init, one, two[0])
     with capsys.disabled():
         print(f"\npretrain 1 vs 2 ranks: loss rel |d| {d_loss:.2e} (losses {loss1}); params max |d| "
               f"{d_param:.2e} vs max change {moved:.2e} (ratio {d_param / moved:.2e})")
@@ -91,17 +96,11 @@ def test_tensor_parallel_pretraining_trains_what_one_process_trains(runs, tmp_pa
     runs every step: TP ranks hold different shards and must not be compared as replicas."""
     init, one, _ = runs
     tp = run_ranks(_pretrain, str(tmp_path), ("parallel.tp=2", "train.replica_check_every=1"), world_size=2)[0]
-    loss1 = [r["loss"] for r in one["metrics"] if "loss" in r]
-    loss_tp = [r["loss"] for r in tp["metrics"] if "loss" in r]
-    d_loss = max(abs(a - b) / abs(a) for a, b in zip(loss1, loss_tp))
-    w1, w_tp = one["weights"], tp["weights"]
-    assert set(w1) == set(w_tp) == set(init)
-    moved = max((w1[k] - init[k]).abs().max().item() for k in w1)
-    d_param = max((w1[k] - w_tp[k]).abs().max().item() for k in w1)
+    _, d_loss, d_param, moved = _compare(init, one, tp)
     with capsys.disabled():
         print(f"\npretrain 1 process vs TP 2: loss rel |d| {d_loss:.2e}; params max |d| {d_param:.2e} vs max change "
               f"{moved:.2e} (ratio {d_param / moved:.2e})")
-    assert len(loss_tp) == 2 and d_loss <= LOSS_RTOL and d_param <= PARAM_TOL * moved
+    assert d_loss <= LOSS_RTOL and d_param <= PARAM_TOL * moved
     assert tp["checkpoints"] == ["__0_0.distcp", "__1_0.distcp"]
 
 

@@ -39,14 +39,15 @@ class FluxAdapter(Backbone):
     lora_targets = JOINT_ATTENTION  # double blocks: image + text projections; single blocks: attn.to_q/k/v
     block_attrs = ("transformer_blocks", "single_transformer_blocks")
 
-    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+    @property
+    def tp_plan(self) -> dict[str, str]:
         """diffusers' own ``FluxTransformer2DModel._tp_plan`` (colwise / rowwise projections in both block
         kinds), except the single blocks' packed ``proj_out``, which stays replicated behind an all-gather
         of its two input slices (``gather_input``, :mod:`pretrain.parallel.tensor`), and with the q / k
         RMS norms added as ``head_norm`` (their weights' gradients summed over the TP ranks; diffusers'
         plan leaves them plain, which is right for inference only), and with the AdaLN modulation
         projections sharded, their per-sample outputs gathered (``colwise_gather``). Raises
-        ``ValueError`` when ``tp`` does not divide the head count or the installed diffusers has no plan."""
+        ``ValueError`` when the installed diffusers has no plan."""
         plan = getattr(type(self.transformer), "_tp_plan", None)
         if not plan:
             raise ValueError(f"tensor parallel: {type(self.transformer).__name__} of this diffusers has no _tp_plan")
@@ -58,8 +59,7 @@ class FluxAdapter(Backbone):
         styles.update({p: "colwise_gather" for p in ("transformer_blocks.*.norm1.linear", "norm_out.linear",
                                                        "transformer_blocks.*.norm1_context.linear",
                                                        "single_transformer_blocks.*.norm.linear")})
-        self.tp_plan = styles
-        return super().tensor_parallel_plan(tp)
+        return styles
 
     def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int, guidance: float = 3.5):
         super().__init__(transformer)
