@@ -21,7 +21,7 @@ from posttrain.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo_update import GRPOAlgorithmConfig
 from posttrain.guard import Guard, group_diversity, guard_shape
 from pretrain.runtime.loop import run_stage
-from posttrain.perf import compile_blocks, merge_lora_blocker, resolve_perf
+from posttrain.perf import apply_model_options, compile_blocks, merge_lora_blocker, resolve_perf
 from posttrain.stage import PolicyStage
 from posttrain.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.stage_config import StageConfig
@@ -161,6 +161,7 @@ class GRPORun:
         self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed, cfg.policy.lora_rank > 0)
         self.rewards = CompositeReward(cfg.rewards)  # first: a reward server that does not answer fails fast
         self.st = st = PolicyStage.setup(cfg, "grpo")
+        apply_model_options(self.perf, st.model, st.policy.frozen_reference)
         ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile, cfg.train.low_precision)
         meta, self.seed, ro = st.meta, cfg.train.seed, cfg.rollout
         self.shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift

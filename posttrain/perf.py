@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain.models.activations import rewrite_tanh_gelu
 from pretrain.parallel.fsdp import apply_compile
 
 
@@ -33,7 +34,10 @@ class PerfConfig:
     optimizer step per iteration (``grad_accum`` covering the buffer) no unconditional forward is
     left in training. Only with a detached unconditional branch and not ``uncond_in_batch``, and not kept
     when ``rollout.precision`` differs from ``train.precision`` or the samples are stale (Ray workers
-    in ``one_step_off`` / ``async`` mode)."""
+    in ``one_step_off`` / ``async`` mode). ``sigmoid_gelu``: the blocks' tanh-approximate GELUs compute
+    ``x * sigmoid(2z)``, the same function (:mod:`pretrain.models.activations`), with the MLP
+    projection's bias added in the activation's kernel; about 2.8x faster per element under compile on a
+    CPU, slower in eager mode. None (default) = on with ``compile``."""
 
     merge_lora: bool | None = None
     uncond_in_batch: bool = False
@@ -41,6 +45,7 @@ class PerfConfig:
     compile: bool = False
     reward_workers: int = 1
     reuse_rollout_uncond: bool = True
+    sigmoid_gelu: bool | None = None
 
     def validate(self, prefix: str = "") -> None:
         if self.transitions_per_forward < 0:
@@ -60,7 +65,7 @@ def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
 
 def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool = True) -> PerfConfig:
     """``perf`` with ``merge_lora`` resolved: None = on for a LoRA policy in fp32 in one process; off
-    without LoRA (nothing to merge). Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
+    without LoRA (nothing to merge); and ``sigmoid_gelu``: None = ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
     true where it cannot hold (bf16/fp16, several ranks): a setting the code cannot honour is refused,
     never rewritten."""
     from dataclasses import replace
@@ -71,7 +76,8 @@ def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool
     if perf.merge_lora and lora and blocker:
         raise ConfigError(f"perf.merge_lora=true cannot be honoured with {blocker}; set perf.merge_lora=false")
     wanted = blocker is None if perf.merge_lora is None else perf.merge_lora
-    return replace(perf, merge_lora=bool(wanted and lora))
+    gelu = perf.compile if perf.sigmoid_gelu is None else perf.sigmoid_gelu
+    return replace(perf, merge_lora=bool(wanted and lora), sigmoid_gelu=gelu)
 
 
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:
@@ -92,3 +98,11 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
             setattr(dyn, key, max(getattr(dyn, key), 64))
     apply_compile(model)
     return model
+
+
+def apply_model_options(perf: PerfConfig, *models: torch.nn.Module | None) -> None:
+    """The options that rewrite modules, applied in place to each model that is not None before it is
+    sharded or compiled (a later deep copy, e.g. the LoRA-merged one, keeps them): ``sigmoid_gelu``."""
+    for model in models:
+        if model is not None and perf.sigmoid_gelu:
+            rewrite_tanh_gelu(model)

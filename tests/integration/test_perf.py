@@ -62,6 +62,27 @@ def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
         assert worst <= 1e-5 * scale, (per, worst, scale)
 
 
+def test_compiled_blocks_with_sigmoid_gelu_give_the_plain_steps_loss_and_gradients(tiny_export):
+    from posttrain.perf import apply_model_options, compile_blocks, resolve_perf
+
+    model, codec, train, null, policy, meta = _setup(tiny_export)
+    traj = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=4, record_uncond=True)
+    plain_loss, plain = _loss_and_grads(policy, traj, null, None, True, 1)  # flow_grpo's layout, eager
+    scale = max(g.abs().max() for g in plain.values())
+    perf = resolve_perf(PerfConfig(compile=True), "fp32", False)
+    assert perf.sigmoid_gelu and perf.merge_lora  # what perf.compile=true turns on with it
+    apply_model_options(perf, model)
+    merged = policy.inference_model(0)  # made before compiling, as GRPORun does
+    for m in (model, merged):
+        compile_blocks(m)
+    for per, reuse in ((1, True), (STEPS - 1, False)):  # every speed option at once, then all transitions at once
+        fast_loss, fast = _loss_and_grads(policy, traj, null, merged, False, per, rollout_uncond=reuse)
+        assert abs(fast_loss - plain_loss) <= 1e-5 * abs(plain_loss), per
+        worst = max((fast[n] - plain[n]).abs().max() for n in plain)
+        assert worst <= 1e-5 * scale, (per, worst, scale)
+    assert any(type(m).__name__ == "SigmoidGELU" for m in merged.modules())
+
+
 def test_rollout_uncond_velocities_give_the_plain_steps_loss_and_gradients(tiny_export):
     model, codec, train, null, policy, meta = _setup(tiny_export)  # LoRA B != 0: the KL term is live
     rolled = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=3, record_uncond=True)
