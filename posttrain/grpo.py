@@ -162,7 +162,7 @@ class GRPORun:
         self.rewards = CompositeReward(cfg.rewards)  # first: a reward server that does not answer fails fast
         self.st = st = PolicyStage.setup(cfg, "grpo")
         apply_model_options(self.perf, st.model, st.policy.frozen_reference)
-        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile, cfg.train.low_precision)
+        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, self.perf.compile, cfg.train.low_precision)
         meta, self.seed, ro = st.meta, cfg.train.seed, cfg.rollout
         self.shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
         self.sampler = Sampler.build(ro, st.model, st.encoder, st.device, self.shift)
@@ -170,11 +170,11 @@ class GRPORun:
         self.update = self.parts.update(cfg.grpo, self.perf, st.policy)
         self.n, _, self.opt_per_iter = iteration_shape(cfg)
         self.prompts = EpochSampler(len(st.train_set), self.seed)
-        self.scorer = AsyncScorer(self.rewards, cfg.perf.reward_workers)
+        self.scorer = AsyncScorer(self.rewards, self.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
         self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
         self.engine = build_engine(self)
-        if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
+        if self.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
                 if m is not None:

@@ -37,7 +37,14 @@ class PerfConfig:
     in ``one_step_off`` / ``async`` mode). ``sigmoid_gelu``: the blocks' tanh-approximate GELUs compute
     ``x * sigmoid(2z)``, the same function (:mod:`pretrain.models.activations`), with the MLP
     projection's bias added in the activation's kernel; about 2.8x faster per element under compile on a
-    CPU, slower in eager mode. None (default) = on with ``compile``."""
+    CPU, slower in eager mode. None (default) = on with ``compile``.
+
+    ``preset``: the options measured fastest on a kind of machine (docs/performance.md), applied to every
+    option of :data:`PRESETS` still at its default (an option set to another value wins): "cpu" (compile,
+    which brings ``sigmoid_gelu``; the reward scored after the rollout, as a scoring thread competes
+    with the sampler for a few cores: keep ``reward_workers`` >= 1 for a reward that waits, e.g. a
+    served model), "gpu" (compile; real models), "gpu_small" (compile, all trained transitions in one
+    forward: a small model is bound by kernel launches), "none" (default)."""
 
     merge_lora: bool | None = None
     uncond_in_batch: bool = False
@@ -46,13 +53,33 @@ class PerfConfig:
     reward_workers: int = 1
     reuse_rollout_uncond: bool = True
     sigmoid_gelu: bool | None = None
+    preset: str = "none"
 
     def validate(self, prefix: str = "") -> None:
+        if self.preset != "none" and self.preset not in PRESETS:
+            raise ValueError(f"{prefix}preset: unknown '{self.preset}'; known: none, {', '.join(PRESETS)}")
         if self.transitions_per_forward < 0:
             raise ValueError(f"{prefix}transitions_per_forward: must be >= 0 (0 = all), got "
                              f"{self.transitions_per_forward}")
         if self.reward_workers < 0:
             raise ValueError(f"{prefix}reward_workers: must be >= 0, got {self.reward_workers}")
+
+
+# preset -> options it sets (where they are still at their defaults); measured in benchmarks/grpo_iteration.py
+PRESETS: dict[str, dict[str, object]] = {
+    "cpu": {"compile": True, "reward_workers": 0},
+    "gpu": {"compile": True},
+    "gpu_small": {"compile": True, "transitions_per_forward": 0},
+}
+
+
+def apply_preset(perf: PerfConfig) -> PerfConfig:
+    """``perf`` with its ``preset``'s options set where they are still at the dataclass defaults."""
+    from dataclasses import fields, replace
+
+    defaults = {f.name: f.default for f in fields(PerfConfig)}
+    chosen = {k: v for k, v in PRESETS.get(perf.preset, {}).items() if getattr(perf, k) == defaults[k]}
+    return replace(perf, **chosen)
 
 
 def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
@@ -64,14 +91,16 @@ def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
 
 
 def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool = True) -> PerfConfig:
-    """``perf`` with ``merge_lora`` resolved: None = on for a LoRA policy in fp32 in one process; off
-    without LoRA (nothing to merge); and ``sigmoid_gelu``: None = ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
+    """``perf`` with its preset applied (:func:`apply_preset`), ``merge_lora`` resolved: None = on for a
+    LoRA policy in fp32 in one process; off without LoRA (nothing to merge); and ``sigmoid_gelu``: None =
+    ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
     true where it cannot hold (bf16/fp16, several ranks): a setting the code cannot honour is refused,
     never rewritten."""
     from dataclasses import replace
 
     from pretrain.config import ConfigError
 
+    perf = apply_preset(perf)
     blocker = merge_lora_blocker(precision, distributed)
     if perf.merge_lora and lora and blocker:
         raise ConfigError(f"perf.merge_lora=true cannot be honoured with {blocker}; set perf.merge_lora=false")

@@ -66,7 +66,7 @@ class RayEngine:
         self.queued: set[int] = set()
         self.pool, self.started, self.reward_actors, self.scored = None, False, [], 0
         self.scores: dict[str, Future | tuple] = {}
-        workers = run.cfg.perf.reward_workers
+        workers = run.perf.reward_workers
         self.scoring = ThreadPoolExecutor(workers, thread_name_prefix="reward") if workers and run.ranks.is_main else None
         self.sync = {"weight_sync_bytes": 0, "weight_sync_tensors": 0, "weight_sync_s": 0.0}
 

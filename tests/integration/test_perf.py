@@ -83,6 +83,18 @@ def test_compiled_blocks_with_sigmoid_gelu_give_the_plain_steps_loss_and_gradien
     assert any(type(m).__name__ == "SigmoidGELU" for m in merged.modules())
 
 
+def test_cpu_preset_reaches_the_run(tiny_export, tmp_path):
+    from posttrain.grpo import GRPORun
+
+    run = GRPORun(grpo_config(tmp_path, tiny_export, "perf.preset=cpu", "train.steps=1", "data.limit=8"))
+    blocks = run.st.model.blocks()
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)  # nn.Module.compile() happened
+    assert any(type(m).__name__ == "SigmoidGELU" for m in run.st.model.modules())
+    assert run.scorer.pool is None  # reward_workers 0: scored after the rollout
+    run.scorer.close()
+    run.logger.close()
+
+
 def test_rollout_uncond_velocities_give_the_plain_steps_loss_and_gradients(tiny_export):
     model, codec, train, null, policy, meta = _setup(tiny_export)  # LoRA B != 0: the KL term is live
     rolled = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=3, record_uncond=True)
