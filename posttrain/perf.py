@@ -42,8 +42,9 @@ class PerfConfig:
     ``preset``: the options measured fastest on a kind of machine (docs/performance.md), applied to every
     option of :data:`PRESETS` still at its default (an option set to another value wins): "cpu" (compile,
     which brings ``sigmoid_gelu``; the reward scored after the rollout, as a scoring thread competes
-    with the sampler for a few cores: keep ``reward_workers`` >= 1 for a reward that waits, e.g. a
-    served model), "gpu" (compile; real models), "gpu_small" (compile, all trained transitions in one
+    with the sampler for a few cores; for a reward that waits, e.g. a served model, set
+    ``reward_workers`` >= 2 or leave the preset out: a value equal to the default, 1, cannot be told
+    from an unset one and is replaced), "gpu" (compile; real models), "gpu_small" (compile, all trained transitions in one
     forward: a small model is bound by kernel launches), "none" (default)."""
 
     merge_lora: bool | None = None
