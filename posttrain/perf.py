@@ -44,8 +44,8 @@ class PerfConfig:
     which brings ``sigmoid_gelu``; the reward scored after the rollout, as a scoring thread competes
     with the sampler for a few cores; for a reward that waits, e.g. a served model, set
     ``reward_workers`` >= 2 or leave the preset out: a value equal to the default, 1, cannot be told
-    from an unset one and is replaced), "gpu" (compile; real models), "gpu_small" (compile, all trained transitions in one
-    forward: a small model is bound by kernel launches), "none" (default)."""
+    from an unset one and is replaced), "gpu" (compile; real models), "gpu_small" (compile, all trained
+    transitions in one forward: a small model is bound by kernel launches), "none" (default)."""
 
     merge_lora: bool | None = None
     uncond_in_batch: bool = False
@@ -133,6 +133,6 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
 def apply_model_options(perf: PerfConfig, *models: torch.nn.Module | None) -> None:
     """The options that rewrite modules, applied in place to each model that is not None before it is
     sharded or compiled (a later deep copy, e.g. the LoRA-merged one, keeps them): ``sigmoid_gelu``."""
-    for model in models:
-        if model is not None and perf.sigmoid_gelu:
+    if perf.sigmoid_gelu:
+        for model in filter(None, models):
             rewrite_tanh_gelu(model)

@@ -4,11 +4,11 @@ GELU_tanh(x) = x * (1 + tanh(z)) / 2 with z = sqrt(2 / pi) * (x + 0.044715 x^3) 
 arXiv 1606.08415, eq. 3), and (1 + tanh(z)) / 2 = sigmoid(2z) exactly, so
 GELU_tanh(x) = x * sigmoid(2 sqrt(2 / pi) * x * (1 + 0.044715 x^2)): the same function, rounded
 differently (within 5e-7 absolute of ``F.gelu(x, approximate="tanh")`` in fp32 for |x| <= 12).
-Inductor's CPU code computes
-``tanh`` with an accurate vector routine that is about 3x slower per element than its ``sigmoid`` (an
-``exp``), so under ``torch.compile`` on a CPU the MLP activation of SD3 / FLUX / Wan blocks runs about
-2.8x faster this way (forward 3.1 -> 1.1 ms, forward + backward 7.6 -> 3.7 ms on a [8, 461, 512] float32
-tensor, 2 cores). In eager mode it is slower (several kernels instead of one): use it with compile.
+Inductor's CPU code computes ``tanh`` with an accurate vector routine that is about 3x slower per
+element than its ``sigmoid`` (an ``exp``), so under ``torch.compile`` on a CPU the MLP activation of
+SD3 / FLUX / Wan blocks runs about 2.8x faster this way (forward 3.1 -> 1.1 ms, forward + backward
+7.6 -> 3.7 ms on a [8, 461, 512] float32 tensor, 2 cores). In eager mode it is slower (several
+kernels instead of one): use it with compile.
 
 diffusers' ``GELU`` module (``FeedForward(activation_fn="gelu-approximate")``) also gets its
 projection's bias added by the activation's fused kernel instead of by the GEMM: on a CPU ``addmm``
@@ -19,11 +19,11 @@ tensor-parallel (DTensor) or hooked one is called as it is.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.activations import GELU
 from torch import nn
 
 _TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
@@ -43,9 +43,9 @@ def _plain_linear(layer: nn.Module) -> bool:
             and not (layer._forward_hooks or layer._forward_pre_hooks))
 
 
-class _DiffusersSigmoidGELU(nn.Module):
-    """Forward of a diffusers ``GELU`` module (``proj`` then the tanh GELU) with the bias added in the
-    activation's kernel; assigned as the ``__class__`` of existing instances (parameters unchanged)."""
+class SigmoidGELU(GELU):
+    """A diffusers ``GELU`` module (``proj`` then the tanh GELU) with the bias added in the activation's
+    kernel; assigned as the ``__class__`` of existing instances (parameters unchanged)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         proj = self.proj
@@ -64,12 +64,7 @@ class _SigmoidTanhGELU(nn.GELU):
         return gelu_tanh_as_sigmoid(input)
 
 
-@functools.cache
-def _sigmoid_classes() -> dict[type, type]:
-    """Original class -> its sigmoid subclass (one class object each, so compiled guards see one type)."""
-    from diffusers.models.activations import GELU
-
-    return {GELU: type("SigmoidGELU", (_DiffusersSigmoidGELU, GELU), {}), nn.GELU: _SigmoidTanhGELU}
+_SIGMOID_CLASSES: dict[type, type] = {GELU: SigmoidGELU, nn.GELU: _SigmoidTanhGELU}
 
 
 def rewrite_tanh_gelu(model: nn.Module) -> int:
@@ -78,9 +73,9 @@ def rewrite_tanh_gelu(model: nn.Module) -> int:
     becomes a subclass whose forward differs, so parameter names, state dicts, exports and deep copies
     are unchanged. Exact GELUs (``approximate="none"``, GEGLU) are left alone. Returns how many were
     rewritten (0 for a model without them; calling it twice rewrites nothing more)."""
-    sigmoid_cls, n = _sigmoid_classes(), 0
+    n = 0
     for module in model.modules():
-        new = sigmoid_cls.get(type(module))
+        new = _SIGMOID_CLASSES.get(type(module))
         if new is not None and module.approximate == "tanh":
             module.__class__ = new
             n += 1
