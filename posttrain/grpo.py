@@ -21,7 +21,7 @@ from posttrain.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo_update import GRPOAlgorithmConfig
 from posttrain.guard import Guard, group_diversity, guard_shape
 from pretrain.runtime.loop import run_stage
-from posttrain.perf import apply_model_options, compile_blocks, merge_lora_blocker, resolve_perf
+from posttrain.perf import apply_model_options, compile_blocks, compile_decoder, merge_lora_blocker, resolve_perf
 from posttrain.stage import PolicyStage
 from posttrain.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.stage_config import StageConfig
@@ -179,6 +179,8 @@ class GRPORun:
             for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
                 if m is not None:
                     compile_blocks(m)
+        if self.perf.compile_decoder:
+            compile_decoder(st.codec)
         shape = {"rollout.group_size": ro.group_size, "rollout.prompts_per_step": ro.prompts_per_step,
                  # they set the optimizer steps per iteration, from which a resume counts iterations
                  "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,

@@ -37,7 +37,11 @@ class PerfConfig:
     in ``one_step_off`` / ``async`` mode). ``sigmoid_gelu``: the blocks' tanh-approximate GELUs compute
     ``x * sigmoid(2z)``, the same function (:mod:`pretrain.models.activations`), with the MLP
     projection's bias added in the activation's kernel; about 2.8x faster per element under compile on a
-    CPU, slower in eager mode. None (default) = on with ``compile``.
+    CPU, slower in eager mode. None (default) = on with ``compile``. ``compile_decoder``: ``torch.compile``
+    the VAE decoder that turns the rollout's latents into images for the reward (an ``AutoencoderKL``
+    codec; pixel-space and video codecs stay eager): its group norms, SiLUs and residual adds fuse. The
+    images match the eager decoder's to float rounding (about 2e-5 in [0, 1]), which can move a pixel
+    at a quantisation boundary by one level in an 8-bit reward input. None (default) = on with ``compile``.
 
     ``preset``: the options measured fastest on a kind of machine (docs/performance.md), applied to every
     option of :data:`PRESETS` still at its default (an option set to another value wins): "cpu" (compile,
@@ -54,6 +58,7 @@ class PerfConfig:
     reward_workers: int = 1
     reuse_rollout_uncond: bool = True
     sigmoid_gelu: bool | None = None
+    compile_decoder: bool | None = None
     preset: str = "none"
 
     def validate(self, prefix: str = "") -> None:
@@ -93,8 +98,8 @@ def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
 
 def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool = True) -> PerfConfig:
     """``perf`` with its preset applied (:func:`apply_preset`), ``merge_lora`` resolved: None = on for a
-    LoRA policy in fp32 in one process; off without LoRA (nothing to merge); and ``sigmoid_gelu``: None =
-    ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
+    LoRA policy in fp32 in one process; off without LoRA (nothing to merge); and ``sigmoid_gelu`` /
+    ``compile_decoder``: None = ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
     true where it cannot hold (bf16/fp16, several ranks): a setting the code cannot honour is refused,
     never rewritten."""
     from dataclasses import replace
@@ -107,7 +112,8 @@ def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool
         raise ConfigError(f"perf.merge_lora=true cannot be honoured with {blocker}; set perf.merge_lora=false")
     wanted = blocker is None if perf.merge_lora is None else perf.merge_lora
     gelu = perf.compile if perf.sigmoid_gelu is None else perf.sigmoid_gelu
-    return replace(perf, merge_lora=bool(wanted and lora), sigmoid_gelu=gelu)
+    decoder = perf.compile if perf.compile_decoder is None else perf.compile_decoder
+    return replace(perf, merge_lora=bool(wanted and lora), sigmoid_gelu=gelu, compile_decoder=decoder)
 
 
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:
@@ -128,6 +134,19 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
             setattr(dyn, key, max(getattr(dyn, key), 64))
     apply_compile(model)
     return model
+
+
+def compile_decoder(codec: object) -> bool:
+    """``torch.compile`` the decoder of a :class:`pretrain.codec.VAECodec` (``codec.vae.decoder``, a diffusers
+    ``AutoencoderKL``'s) in place; returns whether it did. Other codecs are left as they are: pixel-space
+    ones have nothing to fuse, and video VAEs' decoders keep Python-side frame caches that would break
+    the graph at every frame."""
+    from pretrain.codec import VAECodec
+
+    if not isinstance(codec, VAECodec):
+        return False
+    codec.vae.decoder.compile()
+    return True
 
 
 def apply_model_options(perf: PerfConfig, *models: torch.nn.Module | None) -> None:
