@@ -249,7 +249,7 @@ class DPORun:
         self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
         self.st = st = PolicyStage.setup(cfg, "dpo")
         n_trainable = count_parameters(st.model, trainable_only=True)
-        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, cfg.perf.compile, cfg.train.low_precision)
+        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, bool(cfg.perf.compile), cfg.train.low_precision)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             compile_blocks(st.model)
         self.seed = cfg.train.seed

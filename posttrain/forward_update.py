@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from posttrain.old_policy import OldPolicy
-from posttrain.perf import PerfConfig
+from posttrain.perf import PerfConfig, apply_preset
 from pretrain.flow import interpolate
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
@@ -139,7 +139,7 @@ class ForwardProcessUpdate:
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("grpo.loss: the forward-process losses (nft, awm, dgpo) run in one process for now; "
                              "launch without torchrun")
-        self.cfg, self.perf, self.parts = cfg, perf or PerfConfig(merge_lora=False), parts
+        self.cfg, self.perf, self.parts = cfg, apply_preset(perf or PerfConfig(merge_lora=False)), parts
         loss = parts.loss
         decay = getattr(loss, "old_decay", None)
         self.old = OldPolicy(policy.model, decay) if decay is not None else None

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from posttrain.perf import PerfConfig, records_uncond
+from posttrain.perf import PerfConfig, apply_preset, records_uncond
 from posttrain.rollout_correction import CorrectionConfig, correction_weights
 from pretrain.seeding import generator_for
 from rollout.branches import CFGBranches
@@ -139,7 +139,7 @@ class GRPOUpdate:
 
     def __init__(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None = None, parts: GRPOParts | None = None,
                  policy=None):
-        self.cfg, self.perf = cfg, perf or PerfConfig(merge_lora=False)
+        self.cfg, self.perf = cfg, apply_preset(perf or PerfConfig(merge_lora=False))
         self.parts = parts or cfg.build()
 
     def stateful(self) -> dict:

@@ -130,7 +130,7 @@ class MidtrainRun:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         n_trainable = count_parameters(st.model, trainable_only=True)
-        ranks.shard(st.model, None, cfg.parallel, cfg.perf.compile, cfg.train.low_precision)
+        ranks.shard(st.model, None, cfg.parallel, bool(cfg.perf.compile), cfg.train.low_precision)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             compile_blocks(st.model)
         self.sampler = EpochSampler(len(st.train_set), cfg.train.seed)

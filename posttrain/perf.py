@@ -41,37 +41,39 @@ class PerfConfig:
     the VAE decoder that turns the rollout's latents into images for the reward (an ``AutoencoderKL``
     codec; pixel-space and video codecs stay eager): its group norms, SiLUs and residual adds fuse. The
     images match the eager decoder's to float rounding (about 2e-5 in [0, 1]), which can move a pixel
-    at a quantisation boundary by one level in an 8-bit reward input. None (default) = on with ``compile``.
+    at a quantisation boundary by one level in an 8-bit reward input. Off by default: on a 2-core CPU with
+    ``train.keep_freed_memory`` it saved about 0.5 % of an iteration (366 -> 338 ms per batch of 8).
 
     ``preset``: the options measured fastest on a kind of machine (docs/performance.md), applied to every
-    option of :data:`PRESETS` still at its default (an option set to another value wins): "cpu" (compile,
-    which brings ``sigmoid_gelu``; the reward scored after the rollout, as a scoring thread competes
-    with the sampler for a few cores; for a reward that waits, e.g. a served model, set
-    ``reward_workers`` >= 2 or leave the preset out: a value equal to the default, 1, cannot be told
-    from an unset one and is replaced), "gpu" (compile; real models), "gpu_small" (compile, all trained
-    transitions in one forward: a small model is bound by kernel launches), "none" (default)."""
+    option of :data:`PRESETS` left unset (None; an option given any value, the default's included,
+    wins): "cpu" (compile, which brings ``sigmoid_gelu``; the reward scored after
+    the rollout, as a scoring thread competes with the sampler for a few cores: for a reward that
+    waits, e.g. a served model, add ``reward_workers`` >= 1), "gpu" (compile; real models),
+    "gpu_small" (compile, all trained transitions in one forward: a small model is bound by kernel
+    launches), "none" (default). Unset options a preset does not set take the defaults of
+    :data:`UNSET_DEFAULTS` (compile off, one reward worker, one transition per forward)."""
 
     merge_lora: bool | None = None
     uncond_in_batch: bool = False
-    transitions_per_forward: int = 1
-    compile: bool = False
-    reward_workers: int = 1
+    transitions_per_forward: int | None = None
+    compile: bool | None = None
+    reward_workers: int | None = None
     reuse_rollout_uncond: bool = True
     sigmoid_gelu: bool | None = None
-    compile_decoder: bool | None = None
+    compile_decoder: bool = False
     preset: str = "none"
 
     def validate(self, prefix: str = "") -> None:
         if self.preset != "none" and self.preset not in PRESETS:
             raise ValueError(f"{prefix}preset: unknown '{self.preset}'; known: none, {', '.join(PRESETS)}")
-        if self.transitions_per_forward < 0:
+        if self.transitions_per_forward is not None and self.transitions_per_forward < 0:
             raise ValueError(f"{prefix}transitions_per_forward: must be >= 0 (0 = all), got "
                              f"{self.transitions_per_forward}")
-        if self.reward_workers < 0:
+        if self.reward_workers is not None and self.reward_workers < 0:
             raise ValueError(f"{prefix}reward_workers: must be >= 0, got {self.reward_workers}")
 
 
-# preset -> options it sets (where they are still at their defaults); measured in benchmarks/grpo_iteration.py
+# preset -> options it sets (where they are unset); measured in benchmarks/grpo_iteration.py
 PRESETS: dict[str, dict[str, object]] = {
     "cpu": {"compile": True, "reward_workers": 0},
     "gpu": {"compile": True},
@@ -79,13 +81,17 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-def apply_preset(perf: PerfConfig) -> PerfConfig:
-    """``perf`` with its ``preset``'s options set where they are still at the dataclass defaults."""
-    from dataclasses import fields, replace
+# what an option a preset can set means when it is left unset and the preset does not set it
+UNSET_DEFAULTS: dict[str, object] = {"compile": False, "reward_workers": 1, "transitions_per_forward": 1}
 
-    defaults = {f.name: f.default for f in fields(PerfConfig)}
-    chosen = {k: v for k, v in PRESETS.get(perf.preset, {}).items() if getattr(perf, k) == defaults[k]}
-    return replace(perf, **chosen)
+
+def apply_preset(perf: PerfConfig) -> PerfConfig:
+    """``perf`` with every unset (None) option of :data:`UNSET_DEFAULTS` set: to its ``preset``'s value
+    where the preset has one, else to the default. Options given a value keep it. Idempotent."""
+    from dataclasses import replace
+
+    chosen = {**UNSET_DEFAULTS, **PRESETS.get(perf.preset, {})}
+    return replace(perf, **{k: v for k, v in chosen.items() if getattr(perf, k) is None})
 
 
 def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
@@ -98,8 +104,8 @@ def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
 
 def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool = True) -> PerfConfig:
     """``perf`` with its preset applied (:func:`apply_preset`), ``merge_lora`` resolved: None = on for a
-    LoRA policy in fp32 in one process; off without LoRA (nothing to merge); and ``sigmoid_gelu`` /
-    ``compile_decoder``: None = ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
+    LoRA policy in fp32 in one process; off without LoRA (nothing to merge); and ``sigmoid_gelu``: None =
+    ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
     true where it cannot hold (bf16/fp16, several ranks): a setting the code cannot honour is refused,
     never rewritten."""
     from dataclasses import replace
@@ -112,8 +118,7 @@ def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool
         raise ConfigError(f"perf.merge_lora=true cannot be honoured with {blocker}; set perf.merge_lora=false")
     wanted = blocker is None if perf.merge_lora is None else perf.merge_lora
     gelu = perf.compile if perf.sigmoid_gelu is None else perf.sigmoid_gelu
-    decoder = perf.compile if perf.compile_decoder is None else perf.compile_decoder
-    return replace(perf, merge_lora=bool(wanted and lora), sigmoid_gelu=gelu, compile_decoder=decoder)
+    return replace(perf, merge_lora=bool(wanted and lora), sigmoid_gelu=gelu)
 
 
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:
@@ -147,6 +152,20 @@ def compile_decoder(codec: object) -> bool:
         return False
     codec.vae.decoder.compile()
     return True
+
+
+def compile_models(perf: PerfConfig, policy, codec: object, blocks: bool = True) -> None:
+    """``perf.compile``: compile every block of ``policy.model`` (a :class:`posttrain.policy.Policy`) and of
+    its LoRA-merged copy, made here first when ``perf.merge_lora`` (a deep copy of compiled blocks would
+    not be one); ``perf.compile_decoder``: ``codec``'s VAE decoder (:func:`compile_decoder`). ``blocks``
+    False: the blocks are compiled elsewhere (under ``torchrun``, when they are sharded). ``perf``:
+    resolved (:func:`resolve_perf`)."""
+    if perf.compile and blocks:
+        merged = policy.inference_model(-1) if perf.merge_lora else None
+        for m in filter(None, (policy.model, merged)):
+            compile_blocks(m)
+    if perf.compile_decoder:
+        compile_decoder(codec)
 
 
 def apply_model_options(perf: PerfConfig, *models: torch.nn.Module | None) -> None:

@@ -1,5 +1,5 @@
-"""perf.preset sets the options measured fastest on a kind of machine, only where they are still at
-their defaults; an unknown preset is a config error naming the key."""
+"""perf.preset sets the options measured fastest on a kind of machine, only where they are left unset
+(any value given wins, the default's included); an unknown preset is a config error naming the key."""
 
 import pytest
 
@@ -16,7 +16,7 @@ def test_presets_set_their_options_and_explicit_values_win():
     small = resolve_perf(PerfConfig(preset="gpu_small"), "bf16", False)
     assert (small.compile, small.transitions_per_forward, small.merge_lora) == (True, 0, False)
     none = resolve_perf(PerfConfig(), "fp32", False)
-    assert (none.compile, none.sigmoid_gelu, none.reward_workers) == (False, False, 1)
+    assert (none.compile, none.sigmoid_gelu, none.reward_workers, none.transitions_per_forward) == (False, False, 1, 1)
     assert set(PRESETS) == {"cpu", "gpu", "gpu_small"}
 
 
@@ -26,3 +26,22 @@ def test_unknown_preset_is_a_config_error_naming_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match=r"perf\.preset: unknown 'laptop'; known: none, cpu, gpu, gpu_small"):
         load_config(GRPOConfig, None, [f"run_dir={tmp_path}", "model.pretrained=x", "perf.preset=laptop"])
+
+
+def test_a_value_equal_to_the_default_still_wins_over_the_preset():
+    one = resolve_perf(PerfConfig(preset="cpu", reward_workers=1), "fp32", False)
+    assert (one.compile, one.reward_workers) == (True, 1)
+    eager = resolve_perf(PerfConfig(preset="gpu", compile=False), "bf16", False)
+    assert (eager.compile, eager.sigmoid_gelu) == (False, False)
+    per = resolve_perf(PerfConfig(preset="gpu_small", transitions_per_forward=1), "bf16", False)
+    assert (per.compile, per.transitions_per_forward) == (True, 1)
+    assert resolve_perf(one, "fp32", False) == one  # resolving twice changes nothing
+
+
+def test_the_preset_override_reaches_the_config_from_the_command_line(tmp_path):
+    from posttrain.grpo import GRPOConfig
+    from pretrain.config import load_config
+
+    cfg = load_config(GRPOConfig, None, [f"run_dir={tmp_path}", "model.pretrained=x", "perf.preset=cpu",
+                                         "perf.reward_workers=1", "rewards.jpeg_compressibility=1.0"])
+    assert resolve_perf(cfg.perf, "fp32", False).reward_workers == 1
