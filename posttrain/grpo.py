@@ -21,7 +21,7 @@ from posttrain.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo_update import GRPOAlgorithmConfig
 from posttrain.guard import Guard, group_diversity, guard_shape
 from pretrain.runtime.loop import run_stage
-from posttrain.perf import apply_model_options, compile_blocks, compile_decoder, merge_lora_blocker, resolve_perf
+from posttrain.perf import apply_model_options, compile_models, merge_lora_blocker, resolve_perf
 from posttrain.stage import PolicyStage
 from posttrain.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.stage_config import StageConfig
@@ -174,13 +174,7 @@ class GRPORun:
         self.signal = SignalGuard(cfg.train.max_no_signal)
         self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
         self.engine = build_engine(self)
-        if self.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
-            merged = st.policy.inference_model(-1) if self.perf.merge_lora else None  # False without LoRA
-            for m in (st.model, merged):  # the merged copy is made (deep-copied) before anything is compiled
-                if m is not None:
-                    compile_blocks(m)
-        if self.perf.compile_decoder:
-            compile_decoder(st.codec)
+        compile_models(self.perf, st.policy, st.codec, blocks=not ranks.distributed)  # torchrun: shard() did
         shape = {"rollout.group_size": ro.group_size, "rollout.prompts_per_step": ro.prompts_per_step,
                  # they set the optimizer steps per iteration, from which a resume counts iterations
                  "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from posttrain.engines.weight_sync import WeightGroup, WeightPacket
-from posttrain.perf import PerfConfig, records_uncond
+from posttrain.perf import PerfConfig, apply_model_options, compile_models, records_uncond
 from posttrain.policy import Policy
 from pretrain.data.dataset import build_datasets
 from pretrain.export import load_exported
@@ -25,11 +25,12 @@ from rollout.timed_codec import TimedCodec
 
 class RolloutWorker:
     """``cfg``: the run's :class:`posttrain.grpo.GRPOConfig`; ``perf``: the trainer's resolved speed
-    options (so the worker samples with the same function: the LoRA-merged copy or not);
+    options (so the worker samples with the same function and rounding: the LoRA-merged copy or not, the
+    module rewrites, compiled blocks and decoder);
     ``record_uncond``: keep the unconditional CFG velocities (sync mode only: they are the trainer's
-    only while the weights are, and only in the update's precision); ``index``: the worker's slot; ``delay_s``: seconds added to every
-    request (tests and benchmarks make one worker slow with it). Uses ``rollout.num_cpus`` threads and
-    its bundle's GPU when ``rollout.num_gpus`` > 0, else the CPU."""
+    only while the weights are, and only in the update's precision); ``index``: the worker's slot;
+    ``delay_s``: seconds added to every request (tests and benchmarks make one worker slow with it).
+    Uses ``rollout.num_cpus`` threads and its bundle's GPU when ``rollout.num_gpus`` > 0, else the CPU."""
 
     def __init__(self, cfg, perf: PerfConfig, record_uncond: bool, index: int, delay_s: float = 0.0):
         torch.set_num_threads(max(1, int(cfg.rollout.num_cpus)))
@@ -40,10 +41,12 @@ class RolloutWorker:
                                                          options=cfg.model.options)
         self.train_set, _ = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
         self.policy = Policy(model, cfg.policy, reference=False)  # the layout; the weights arrive in packets
+        apply_model_options(perf, model)  # the trainer's module rewrites, so the same rounding
         ro = cfg.rollout
         shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
         self.sampler = Sampler.build(ro, model, encoder, self.device, shift)
         self.update = cfg.grpo.build().update(cfg.grpo, perf, self.policy)
+        compile_models(perf, self.policy, self.codec)
         self.precision = Precision(ro.precision or cfg.train.precision, self.device)
         self.latent_shape = self.codec.latent_shape(meta["image_size"], meta["image_size"])
         self.shared = ro.group_size if ro.shared_initial_noise else None

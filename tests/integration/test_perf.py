@@ -95,6 +95,30 @@ def test_cpu_preset_reaches_the_run(tiny_export, tmp_path):
     run.logger.close()
 
 
+def test_a_rollout_worker_takes_the_trainers_module_rewrites_and_compiled_layout(tiny_export, tmp_path):
+    from posttrain.engines.worker import RolloutWorker
+    from posttrain.perf import resolve_perf
+
+    cfg = grpo_config(tmp_path, tiny_export, "perf.compile=true", "train.steps=1", "data.limit=8")
+    perf = resolve_perf(cfg.perf, cfg.train.precision, False)
+    threads = torch.get_num_threads()  # the worker sets rollout.num_cpus threads in its (here: this) process
+    try:
+        worker = RolloutWorker(cfg, perf, record_uncond=False, index=0)
+    finally:
+        torch.set_num_threads(threads)
+    merged = worker.policy.inference_model(-1)  # made before compiling, as in the trainer
+    for model in (worker.policy.model, merged):
+        blocks = model.blocks()
+        assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+        assert any(type(m).__name__ == "SigmoidGELU" for m in model.modules())
+    try:
+        plain = RolloutWorker(cfg, resolve_perf(PerfConfig(), cfg.train.precision, False), False, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert not any(type(m).__name__ == "SigmoidGELU" for m in plain.policy.model.modules())
+    assert all(b._compiled_call_impl is None for b in plain.policy.model.blocks())
+
+
 def test_rollout_uncond_velocities_give_the_plain_steps_loss_and_gradients(tiny_export):
     model, codec, train, null, policy, meta = _setup(tiny_export)  # LoRA B != 0: the KL term is live
     rolled = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=3, record_uncond=True)
