@@ -46,18 +46,17 @@ FLOW_GRPO_SIDE_BY_SIDE = ((1.190, 1.174), (1.119, 1.340))  # (flow_grpo, first r
 # name -> overrides; each row adds one speed option to the one above (same loss and gradients).
 _NO_REUSE, _FREE = "perf.reuse_rollout_uncond=false", "train.keep_freed_memory=false"
 _TANH = "perf.sigmoid_gelu=false"  # on by default with perf.compile
-_EAGER_VAE = "perf.compile_decoder=false"  # on by default with perf.compile
 VARIANTS = {
     "flow_grpo layout": ["perf.uncond_in_batch=true", "perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE,
                          _FREE],
     "+ uncond branch without graph": ["perf.merge_lora=false", "perf.reward_workers=0", _NO_REUSE, _FREE],
     "+ LoRA merged for no-grad forwards": ["perf.reward_workers=0", _NO_REUSE, _FREE],
     "+ rollout's uncond velocities before the first step": ["perf.reward_workers=0", _FREE],
-    "+ torch.compile per block": ["perf.reward_workers=0", "perf.compile=true", _FREE, _TANH, _EAGER_VAE],
-    "+ freed memory kept for reuse (malloc)": ["perf.reward_workers=0", "perf.compile=true", _TANH, _EAGER_VAE],
-    "+ tanh-GELU as x*sigmoid(2z), bias in its kernel": ["perf.reward_workers=0", "perf.compile=true", _EAGER_VAE],
-    "+ VAE decoder compiled": ["perf.reward_workers=0", "perf.compile=true"],
-    "+ reward scored during rollout (a thread)": ["perf.compile=true"],
+    "+ torch.compile per block": ["perf.reward_workers=0", "perf.compile=true", _FREE, _TANH],
+    "+ freed memory kept for reuse (malloc)": ["perf.reward_workers=0", "perf.compile=true", _TANH],
+    "+ tanh-GELU as x*sigmoid(2z), bias in its kernel": ["perf.reward_workers=0", "perf.compile=true"],
+    "+ VAE decoder compiled": ["perf.reward_workers=0", "perf.compile=true", "perf.compile_decoder=true"],
+    "+ reward scored during rollout (a thread)": ["perf.compile=true", "perf.compile_decoder=true"],
 }
 # Algorithm changes (not counted toward the comparison).
 TRADEOFFS = {"train 5 of 10 transitions": ["rollout.timestep_fraction=0.5"]}
