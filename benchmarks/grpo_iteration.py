@@ -1,7 +1,7 @@
 """Throughput of one GRPO iteration at flow_grpo's tiny SD3 settings (configs/bench/flowgrpo_tiny_sd3.yaml).
 
     python benchmarks/grpo_iteration.py [--iterations 5] [--warmup 1] [--sweeps 1] [--variants all]
-        [--device-layouts] [--tradeoffs] [key=value ...]
+        [--device-layouts] [--tradeoffs] [--breakdown] [key=value ...]
 
 Per variant (speed options toggled one at a time, each keeping the algorithm's semantics): samples/s,
 seconds per phase (rollout, decode, reward wait, training), useful FLOPs per iteration counted with
@@ -34,8 +34,9 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_assets import build_assets  # noqa: E402
-from benchmarks.kernel_rates import (CPU_ATTENTION_FORMULAS, attention_gflops, is_attention,  # noqa: E402
-                                     kernel_floor_seconds, matmul_gflops, model_shape_gflops)
+from benchmarks.kernel_rates import (CPU_ATTENTION_FORMULAS, FLOOR_CLASSES, attention_gflops,  # noqa: E402
+                                     floor_by_class, is_attention, matmul_gflops, model_shape_gflops)
+from benchmarks.time_breakdown import CLASSES, enable_kernel_names, profiled_breakdown  # noqa: E402
 from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
 from pretrain.runtime.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
@@ -74,12 +75,15 @@ def count_flops(run: GRPORun) -> dict[str, int]:
 
 
 def bench(name: str, overrides: list[str], common: list[str], iterations: int, warmup: int,
-          flops: bool = True) -> dict:
-    """Warm-up + ``iterations`` timed iterations (+ one FLOP-counted one when ``flops``), in a fresh
-    run directory; returns the timed iterations' metrics (``rows``) and the counted FLOPs."""
+          flops: bool = True, breakdown: bool = False) -> dict:
+    """Warm-up + ``iterations`` timed iterations (+ one FLOP-counted one when ``flops``, + one profiled
+    one when ``breakdown``, with inductor's kernel names on), in a fresh run directory; returns the timed
+    iterations' metrics (``rows``), the counted FLOPs and the profiled iteration's seconds per class."""
+    if breakdown:
+        enable_kernel_names()
     run_dir = tempfile.mkdtemp(prefix="grpo_bench_")
     cfg = load_config(GRPOConfig, CONFIG, [*common, *overrides, f"run_dir={run_dir}",
-                                           f"train.steps={warmup + iterations + 1}", "checkpoint.every=0"])
+                                           f"train.steps={warmup + iterations + 2}", "checkpoint.every=0"])
     run = GRPORun(cfg)
     for _ in range(warmup):
         step_once(run)
@@ -88,10 +92,12 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
         rows.append(step_once(run))
         print(f"    {name} iteration {i + 1}: {rows[-1]['samples_per_s']:.3f} samples/s", flush=True)
     counted = count_flops(run) if flops else None
+    classes = profiled_breakdown(lambda: step_once(run)) if breakdown else None
     run.scorer.close()
     run.logger.close()
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"name": name, "flops": counted, "samples": run.n, "rows": rows, "peak_rss_mb": peak_rss_mb()}
+    return {"name": name, "flops": counted, "samples": run.n, "rows": rows, "peak_rss_mb": peak_rss_mb(),
+            "breakdown": classes}
 
 
 def bench_isolated(*args) -> dict:
@@ -121,6 +127,9 @@ def main() -> None:
     ap.add_argument("--sweeps", type=int, default=1,
                     help="passes over the variants, every other one in reverse order (drift in the machine's "
                          "speed then falls on every variant alike); medians over all passes")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also profile one iteration per variant (its own process, after the sweeps) and print its "
+                         "time by kernel class against each class's floor")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: one bench() call's arguments as JSON
     ap.add_argument("--row-out", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every variant")
@@ -155,8 +164,8 @@ def main() -> None:
             print(f"  {name} (pass {sweep + 1}): {rate:.3f} samples/s", flush=True)
     results = [medians(runs[name]) for name, _ in chosen]
     for r in results:
-        r["total"], r["floor_s"] = sum(r["flops"].values()), kernel_floor_seconds(r["flops"], shape_rate, attn_rates,
-                                                                                 ref_rate)
+        r["floors"] = floor_by_class(r["flops"], shape_rate, attn_rates, ref_rate)
+        r["total"], r["floor_s"] = sum(r["flops"].values()), sum(r["floors"].values())
         r["attention"] = sum(n for op, n in r["flops"].items() if is_attention(op))
     lean = min((r for r in results if r["name"] not in TRADEOFFS), key=lambda r: r["total"])
     first = results[0]["samples_per_s"]
@@ -179,6 +188,27 @@ def main() -> None:
           f"The leanest variant's counted work at this machine's kernel rates needs {lean['floor_s']:.2f} s: at most "
           f"{lean['samples'] / lean['floor_s']:.3f} samples/s before any elementwise op or overhead. Peak RSS is "
           f"each row's process's.")
+    if a.breakdown:
+        for r, (name, ov) in zip(results, chosen):
+            r["breakdown"] = bench_isolated(name, ov, a.overrides, 0, a.warmup, False, True)["breakdown"]
+        print_breakdown(results)
+
+
+def print_breakdown(results: list[dict]) -> None:
+    """One profiled iteration per variant: seconds per kernel class, the counted classes with their floor
+    in parentheses, and the share of the floor reached with and without the elementwise work."""
+    print("\n| variant | profiled iteration s | " + " | ".join(
+        f"{c} s{' (floor)' if c in FLOOR_CLASSES else ''}" for c in CLASSES)
+        + " | share of floor | share without elementwise |")
+    print("|---" * (len(CLASSES) + 4) + "|")
+    for r in results:
+        b, floors = r["breakdown"], r["floors"]
+        elementwise = b["fused elementwise (compiled)"] + b["eager ATen ops"]
+        cells = [f"{b[c]:.2f}" + (f" ({floors[c]:.2f})" if c in FLOOR_CLASSES else "") for c in CLASSES]
+        print(f"| {r['name']} | {b['wall']:.2f} | " + " | ".join(cells)
+              + f" | {r['floor_s'] / b['wall']:.2f} | {r['floor_s'] / (b['wall'] - elementwise):.2f} |")
+    print("\nProfiled with torch.profiler (its overhead is in every op, most in the many small ones); "
+          "'outside any op' is the iteration's wall time that no recorded op accounts for (Python).")
 
 
 if __name__ == "__main__":

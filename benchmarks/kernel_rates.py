@@ -34,6 +34,8 @@ CPU_ATTENTION_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _sdp
 ATTENTION_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
+CONV_OPS = {"convolution", "convolution_backward", "mkldnn_convolution", "_convolution", "cudnn_convolution",
+            "_slow_conv2d_forward", "_slow_conv2d_backward"}
 
 
 def is_attention(op: str) -> bool:
@@ -87,19 +89,45 @@ def attention_gflops(device: torch.device, batch: int = 16, heads: int = 4, toke
     return fwd, bwd_flops / max(bwd_seconds, 1e-12) / 1e9
 
 
-def kernel_floor_seconds(counts: dict[str, int], gemm_rate: float, attention_rates: tuple[float, float],
-                         other_rate: float) -> float:
-    """Seconds an iteration's counted work needs at this machine's measured rates: GEMMs at the model-shape
-    rate, attention forward / backward at theirs, other counted ops (convolutions) at ``other_rate``.
+FLOOR_CLASSES = ("attention forward", "attention backward", "GEMM", "convolution")
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel, from a FLOP counter's op name (``mm``) or a profiler event's name
+    (``aten::mm``, inductor's ``graph_3_cpp_fused_...``): one of :data:`FLOOR_CLASSES` (the counted
+    kernels), ``"fused elementwise (compiled)"``, ``"eager ATen ops"`` or ``"framework"`` (any other
+    event: autograd engine, dynamo, compiled-graph calls, the optimizer's step)."""
+    if name.startswith("graph_") and "_cpp_fused_" in name:  # before the ATen names it may contain
+        return "fused elementwise (compiled)"
+    op = name.removeprefix("aten::")
+    if is_attention(op):
+        return "attention backward" if op.endswith("_backward") else "attention forward"
+    if op in GEMM_OPS:
+        return "GEMM"
+    if op in CONV_OPS:
+        return "convolution"
+    if name.startswith("aten::"):
+        return "eager ATen ops"
+    return "framework"
+
+
+def floor_by_class(counts: dict[str, int], gemm_rate: float, attention_rates: tuple[float, float],
+                   other_rate: float) -> dict[str, float]:
+    """Seconds an iteration's counted work needs at this machine's measured rates, per class of
+    :data:`FLOOR_CLASSES`: GEMMs at the model-shape rate, attention forward / backward at theirs, other
+    counted ops at ``other_rate``, under ``"convolution"`` (the counter's only other counted kernels).
     Elementwise work, which the counter does not count, is left out, so the real floor is higher.
     ``counts``: op name (``aten.X`` without the prefix) -> FLOPs; rates in GFLOP/s."""
-    total = 0.0
+    out = dict.fromkeys(FLOOR_CLASSES, 0.0)
     for op, flops in counts.items():
-        if op in GEMM_OPS:
-            rate = gemm_rate
-        elif is_attention(op):
-            rate = attention_rates[op.endswith("_backward")]
-        else:
-            rate = other_rate
-        total += flops / (rate * 1e9)
-    return total
+        cls = kernel_class(op)
+        rate = {"GEMM": gemm_rate, "attention forward": attention_rates[0],
+                "attention backward": attention_rates[1]}.get(cls, other_rate)
+        out[cls if cls in out else "convolution"] += flops / (rate * 1e9)
+    return out
+
+
+def kernel_floor_seconds(counts: dict[str, int], gemm_rate: float, attention_rates: tuple[float, float],
+                         other_rate: float) -> float:
+    """The sum of :func:`floor_by_class`: the iteration's floor in seconds."""
+    return sum(floor_by_class(counts, gemm_rate, attention_rates, other_rate).values())

@@ -28,3 +28,47 @@ def test_kernel_floor_is_flops_over_each_kernels_rate():
               "_scaled_dot_product_flash_attention_for_cpu_backward": 3e9, "convolution": 4e9}
     # GEMMs 3e9 / 100e9 + attention 1e9 / 50e9 + 3e9 / 30e9 + others 4e9 / 200e9
     assert kernel_floor_seconds(counts, 100.0, (50.0, 30.0), 200.0) == pytest.approx(0.03 + 0.02 + 0.1 + 0.02)
+
+
+def test_kernel_classes_of_counter_and_profiler_names():
+    from benchmarks.kernel_rates import kernel_class
+
+    assert kernel_class("mm") == kernel_class("aten::addmm") == "GEMM"
+    assert kernel_class("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention forward"
+    assert kernel_class("_scaled_dot_product_flash_attention_for_cpu_backward") == "attention backward"
+    assert kernel_class("aten::mkldnn_convolution") == kernel_class("convolution_backward") == "convolution"
+    # an inductor kernel is elementwise work even when its name lists the extern ops around it
+    assert kernel_class("graph_2_cpp_fused_convolution_native_group_norm_silu_3") == "fused elementwise (compiled)"
+    assert kernel_class("aten::copy_") == "eager ATen ops"
+    assert kernel_class("autograd::engine::evaluate_function: MmBackward0") == "framework"
+    assert kernel_class("TorchDynamo Cache Lookup") == "framework"
+
+
+def test_floor_by_class_splits_the_floor():
+    from benchmarks.kernel_rates import floor_by_class
+
+    counts = {"mm": 2e9, "addmm": 1e9, "_scaled_dot_product_flash_attention_for_cpu": 1e9,
+              "_scaled_dot_product_flash_attention_for_cpu_backward": 3e9, "convolution": 4e9}
+    floors = floor_by_class(counts, 100.0, (50.0, 30.0), 200.0)
+    assert floors == pytest.approx({"GEMM": 0.03, "attention forward": 0.02, "attention backward": 0.1,
+                                    "convolution": 0.02})
+
+
+def test_profiled_breakdown_accounts_for_the_wall_time():
+    from benchmarks.time_breakdown import CLASSES, OUTSIDE, breakdown_of_events, profiled_breakdown
+
+    a, q = torch.randn(256, 256), torch.randn(1, 2, 64, 16)
+
+    def step():
+        for _ in range(20):
+            a @ a
+        F.scaled_dot_product_attention(q, q, q)
+
+    b = profiled_breakdown(step)
+    assert b["GEMM"] > b["attention forward"] > 0 and b["attention backward"] == 0
+    ops = sum(b[c] for c in CLASSES if c != OUTSIDE)  # self times: nested ops are not counted twice
+    assert 0 < ops <= b["wall"] and b[OUTSIDE] == pytest.approx(b["wall"] - ops)
+    synthetic = breakdown_of_events([("aten::mm", 2e6), ("graph_0_cpp_fused_add_0", 5e5), ("aten::add", 2.5e5),
+                                     ("CompiledFunction", 2.5e5)], wall=4.0)
+    assert synthetic == pytest.approx({**dict.fromkeys(CLASSES, 0.0), "GEMM": 2.0, "fused elementwise (compiled)": 0.5,
+                                       "eager ATen ops": 0.25, "framework": 0.25, OUTSIDE: 1.0, "wall": 4.0})
