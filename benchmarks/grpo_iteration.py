@@ -7,7 +7,9 @@ Per variant (speed options toggled one at a time, each keeping the algorithm's s
 seconds per phase (rollout, decode, reward wait, training), useful FLOPs per iteration counted with
 ``torch.utils.flop_counter`` (CPU attention included, see :mod:`benchmarks.kernel_rates`) and that over
 the machine's fp32 matmul rate measured in this run at the model's GEMM shapes (a CPU "MFU"), the
-iteration's floor at the kernel rates measured in this run, peak RSS. Each row runs in a fresh process.
+iteration's floor at the kernel rates measured in this run, peak RSS. Each row runs in a fresh process,
+which measures the kernel rates itself after its warm-up (the machine drifts within a run: a row's floor
+uses the medians of the rates its own processes measured).
 The first row is flow_grpo's layout, the baseline every other row is compared with in the same run.
 flow_grpo's own scripts/train_sd3.py (commit ac4c86e8, its pinned diffusers / transformers / accelerate /
 peft, torch 2.14.1), run on this
@@ -74,11 +76,25 @@ def count_flops(run: GRPORun) -> dict[str, int]:
     return {str(op).removeprefix("aten."): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
 
 
+def kernel_rates(device: torch.device) -> dict[str, float]:
+    """This machine's rates now, GFLOP/s: 2048^3 matmul, the model's GEMM shapes, attention forward / backward."""
+    attention = attention_gflops(device)
+    return {"matmul": matmul_gflops(2048, 2048, 2048, device, 1.0), "gemm": model_shape_gflops(device),
+            "attention_forward": attention[0], "attention_backward": attention[1]}
+
+
+def floors_at(rates: dict[str, float], flops: dict[str, int]) -> dict[str, float]:
+    """:func:`benchmarks.kernel_rates.floor_by_class` at ``rates`` (:func:`kernel_rates`'s keys)."""
+    return floor_by_class(flops, rates["gemm"], (rates["attention_forward"], rates["attention_backward"]),
+                          rates["matmul"])
+
+
 def bench(name: str, overrides: list[str], common: list[str], iterations: int, warmup: int,
           flops: bool = True, breakdown: bool = False) -> dict:
     """Warm-up + ``iterations`` timed iterations (+ one FLOP-counted one when ``flops``, + one profiled
     one when ``breakdown``, with inductor's kernel names on), in a fresh run directory; returns the timed
-    iterations' metrics (``rows``), the counted FLOPs and the profiled iteration's seconds per class."""
+    iterations' metrics (``rows``), the kernel rates measured after the warm-up, the counted FLOPs and the
+    profiled iteration's seconds per class."""
     if breakdown:
         enable_kernel_names()
     run_dir = tempfile.mkdtemp(prefix="grpo_bench_")
@@ -87,6 +103,7 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
     run = GRPORun(cfg)
     for _ in range(warmup):
         step_once(run)
+    rates = kernel_rates(run.st.device)
     rows = []
     for i in range(iterations):
         rows.append(step_once(run))
@@ -97,7 +114,7 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
     run.logger.close()
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"name": name, "flops": counted, "samples": run.n, "rows": rows, "peak_rss_mb": peak_rss_mb(),
-            "breakdown": classes}
+            "rates": rates, "breakdown": classes}
 
 
 def bench_isolated(*args) -> dict:
@@ -113,7 +130,8 @@ def medians(results: list[dict]) -> dict:
     """One variant's sweeps folded: the median of every float metric over all their timed iterations."""
     rows = [row for r in results for row in r["rows"]]
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0] if isinstance(rows[0][k], float)}
-    return {**results[0], **med, "peak_rss_mb": max(r["peak_rss_mb"] for r in results)}
+    rates = {k: statistics.median(r["rates"][k] for r in results) for k in results[0]["rates"]}
+    return {**results[0], **med, "rates": rates, "peak_rss_mb": max(r["peak_rss_mb"] for r in results)}
 
 
 def main() -> None:
@@ -143,12 +161,9 @@ def main() -> None:
     base = load_config(GRPOConfig, CONFIG, a.overrides)
     torch.set_num_threads(base.train.threads or torch.get_num_threads())
     device = torch.device("cuda" if base.train.device.startswith("cuda") else "cpu")
-    ref_rate = matmul_gflops(2048, 2048, 2048, device, 2.0)
-    shape_rate = model_shape_gflops(device)
-    attn_rates = attention_gflops(device)
-    print(f"device {device}, {torch.get_num_threads()} threads; fp32 GFLOP/s: 2048^3 matmul {ref_rate:.1f}, "
-          f"model GEMM shapes {shape_rate:.1f}, attention forward {attn_rates[0]:.1f} / backward "
-          f"{attn_rates[1]:.1f}", flush=True)
+    start = kernel_rates(device)
+    print(f"device {device}, {torch.get_num_threads()} threads; fp32 GFLOP/s at the start (each row's process "
+          f"measures its own): " + rates_text(start), flush=True)
     chosen = list(VARIANTS.items())
     if a.variants != "all":
         chosen = [chosen[int(i)] for i in a.variants.split(",")]
@@ -164,7 +179,7 @@ def main() -> None:
             print(f"  {name} (pass {sweep + 1}): {rate:.3f} samples/s", flush=True)
     results = [medians(runs[name]) for name, _ in chosen]
     for r in results:
-        r["floors"] = floor_by_class(r["flops"], shape_rate, attn_rates, ref_rate)
+        r["floors"] = floors_at(r["rates"], r["flops"])
         r["total"], r["floor_s"] = sum(r["flops"].values()), sum(r["floors"].values())
         r["attention"] = sum(n for op, n in r["flops"].items() if is_attention(op))
     lean = min((r for r in results if r["name"] not in TRADEOFFS), key=lambda r: r["total"])
@@ -174,12 +189,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         it_s = r["samples"] / r["samples_per_s"]
-        mfu = lean["total"] / it_s / (shape_rate * 1e9)
+        mfu = lean["total"] / it_s / (r["rates"]["gemm"] * 1e9)
         print(f"| {r['name']} | {r['samples_per_s']:.3f} | {r['samples_per_s'] / first:.2f}x | "
               f"{r['time_rollout_s']:.2f} | {r['time_decode_s']:.2f} | "
               f"{r['time_reward_wait_s']:.3f} | {r['time_train_s']:.2f} | {r['total'] / 1e9:.0f} "
               f"({r['attention'] / 1e9:.0f}) | {mfu:.2f} | {r['floor_s']:.2f} ({r['floor_s'] / it_s:.2f}) | "
               f"{r['peak_rss_mb']:.0f} |")
+    print("\nkernel rates per row (medians of its processes, GFLOP/s): "
+          + "; ".join(f"{r['name']}: {rates_text(r['rates'])}" for r in results))
     print(f"\nuseful work: {lean['total'] / 1e12:.3f} TFLOP/iteration, {(lean['total'] - lean['attention']) / 1e12:.3f}"
           f" without attention (the leanest same-semantics variant's count; CPU-MFU is it over the model-shape GEMM "
           f"rate). flow_grpo side by side on this machine kind (another session, alternating runs): "
@@ -192,6 +209,12 @@ def main() -> None:
         for r, (name, ov) in zip(results, chosen):
             r["breakdown"] = bench_isolated(name, ov, a.overrides, 0, a.warmup, False, True)["breakdown"]
         print_breakdown(results)
+
+
+def rates_text(rates: dict[str, float]) -> str:
+    """``rates`` (:func:`kernel_rates`) as one line."""
+    return (f"2048^3 matmul {rates['matmul']:.1f}, model GEMM shapes {rates['gemm']:.1f}, attention forward "
+            f"{rates['attention_forward']:.1f} / backward {rates['attention_backward']:.1f}")
 
 
 def print_breakdown(results: list[dict]) -> None:
