@@ -76,7 +76,7 @@ def count_flops(run: GRPORun) -> dict[str, int]:
     return {str(op).removeprefix("aten."): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
 
 
-def kernel_rates(device: torch.device) -> dict[str, float]:
+def measure_rates(device: torch.device) -> dict[str, float]:
     """This machine's rates now, GFLOP/s: 2048^3 matmul, the model's GEMM shapes, attention forward / backward."""
     attention = attention_gflops(device)
     return {"matmul": matmul_gflops(2048, 2048, 2048, device, 1.0), "gemm": model_shape_gflops(device),
@@ -84,7 +84,7 @@ def kernel_rates(device: torch.device) -> dict[str, float]:
 
 
 def floors_at(rates: dict[str, float], flops: dict[str, int]) -> dict[str, float]:
-    """:func:`benchmarks.kernel_rates.floor_by_class` at ``rates`` (:func:`kernel_rates`'s keys)."""
+    """:func:`benchmarks.kernel_rates.floor_by_class` at ``rates`` (:func:`measure_rates`'s keys)."""
     return floor_by_class(flops, rates["gemm"], (rates["attention_forward"], rates["attention_backward"]),
                           rates["matmul"])
 
@@ -93,7 +93,7 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
           flops: bool = True, breakdown: bool = False) -> dict:
     """Warm-up + ``iterations`` timed iterations (+ one FLOP-counted one when ``flops``, + one profiled
     one when ``breakdown``, with inductor's kernel names on), in a fresh run directory; returns the timed
-    iterations' metrics (``rows``), the kernel rates measured after the warm-up, the counted FLOPs and the
+    iterations' metrics (``rows``), the kernel rates measured after the warm-up (when it times any), the counted FLOPs and the
     profiled iteration's seconds per class."""
     if breakdown:
         enable_kernel_names()
@@ -103,7 +103,7 @@ def bench(name: str, overrides: list[str], common: list[str], iterations: int, w
     run = GRPORun(cfg)
     for _ in range(warmup):
         step_once(run)
-    rates = kernel_rates(run.st.device)
+    rates = measure_rates(run.st.device) if iterations else None  # --breakdown's run: the timed ones' rates
     rows = []
     for i in range(iterations):
         rows.append(step_once(run))
@@ -161,7 +161,7 @@ def main() -> None:
     base = load_config(GRPOConfig, CONFIG, a.overrides)
     torch.set_num_threads(base.train.threads or torch.get_num_threads())
     device = torch.device("cuda" if base.train.device.startswith("cuda") else "cpu")
-    start = kernel_rates(device)
+    start = measure_rates(device)
     print(f"device {device}, {torch.get_num_threads()} threads; fp32 GFLOP/s at the start (each row's process "
           f"measures its own): " + rates_text(start), flush=True)
     chosen = list(VARIANTS.items())
@@ -212,7 +212,7 @@ def main() -> None:
 
 
 def rates_text(rates: dict[str, float]) -> str:
-    """``rates`` (:func:`kernel_rates`) as one line."""
+    """``rates`` (:func:`measure_rates`) as one line."""
     return (f"2048^3 matmul {rates['matmul']:.1f}, model GEMM shapes {rates['gemm']:.1f}, attention forward "
             f"{rates['attention_forward']:.1f} / backward {rates['attention_backward']:.1f}")
 

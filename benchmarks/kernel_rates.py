@@ -126,8 +126,3 @@ def floor_by_class(counts: dict[str, int], gemm_rate: float, attention_rates: tu
         out[cls if cls in out else "convolution"] += flops / (rate * 1e9)
     return out
 
-
-def kernel_floor_seconds(counts: dict[str, int], gemm_rate: float, attention_rates: tuple[float, float],
-                         other_rate: float) -> float:
-    """The sum of :func:`floor_by_class`: the iteration's floor in seconds."""
-    return sum(floor_by_class(counts, gemm_rate, attention_rates, other_rate).values())

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.kernel_rates import CPU_ATTENTION_FORMULAS, kernel_floor_seconds
+from benchmarks.kernel_rates import CPU_ATTENTION_FORMULAS, floor_by_class
 
 
 def _attention_counts(mapping):
@@ -23,11 +23,13 @@ def test_cpu_attention_flops_are_the_closed_form():
     assert sum(_attention_counts({}).values()) == 0  # what the counter alone reports for this kernel
 
 
-def test_kernel_floor_is_flops_over_each_kernels_rate():
+def test_kernel_floor_is_flops_over_each_kernels_rate_per_class():
     counts = {"mm": 2e9, "addmm": 1e9, "_scaled_dot_product_flash_attention_for_cpu": 1e9,
               "_scaled_dot_product_flash_attention_for_cpu_backward": 3e9, "convolution": 4e9}
-    # GEMMs 3e9 / 100e9 + attention 1e9 / 50e9 + 3e9 / 30e9 + others 4e9 / 200e9
-    assert kernel_floor_seconds(counts, 100.0, (50.0, 30.0), 200.0) == pytest.approx(0.03 + 0.02 + 0.1 + 0.02)
+    # GEMMs 3e9 / 100e9, attention 1e9 / 50e9 and 3e9 / 30e9, others 4e9 / 200e9
+    floors = floor_by_class(counts, 100.0, (50.0, 30.0), 200.0)
+    assert floors == pytest.approx({"GEMM": 0.03, "attention forward": 0.02, "attention backward": 0.1,
+                                    "convolution": 0.02})
 
 
 def test_kernel_classes_of_counter_and_profiler_names():
@@ -42,16 +44,6 @@ def test_kernel_classes_of_counter_and_profiler_names():
     assert kernel_class("aten::copy_") == "eager ATen ops"
     assert kernel_class("autograd::engine::evaluate_function: MmBackward0") == "framework"
     assert kernel_class("TorchDynamo Cache Lookup") == "framework"
-
-
-def test_floor_by_class_splits_the_floor():
-    from benchmarks.kernel_rates import floor_by_class
-
-    counts = {"mm": 2e9, "addmm": 1e9, "_scaled_dot_product_flash_attention_for_cpu": 1e9,
-              "_scaled_dot_product_flash_attention_for_cpu_backward": 3e9, "convolution": 4e9}
-    floors = floor_by_class(counts, 100.0, (50.0, 30.0), 200.0)
-    assert floors == pytest.approx({"GEMM": 0.03, "attention forward": 0.02, "attention backward": 0.1,
-                                    "convolution": 0.02})
 
 
 def test_profiled_breakdown_accounts_for_the_wall_time():
