@@ -102,16 +102,21 @@ def merge_lora_blocker(precision: str, distributed: bool) -> str | None:
     return "several ranks: the merged copy would deep-copy FSDP2-sharded weights" if distributed else None
 
 
-def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool = True) -> PerfConfig:
+def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool = True,
+                 compile_blocker: str | None = None) -> PerfConfig:
     """``perf`` with its preset applied (:func:`apply_preset`), ``merge_lora`` resolved: None = on for a
     LoRA policy in fp32 in one process; off without LoRA (nothing to merge); and ``sigmoid_gelu``: None =
-    ``compile``. Raises ``ConfigError`` naming ``perf.merge_lora`` when it is set
-    true where it cannot hold (bf16/fp16, several ranks): a setting the code cannot honour is refused,
-    never rewritten."""
+    ``compile``. ``compile_blocker``: why compile cannot run under the run's layout
+    (:meth:`pretrain.parallel.config.ParallelConfig.compile_blocker`); a preset then leaves compile off,
+    while an explicit ``compile: true`` stays and is refused where the model is sharded. Raises
+    ``ConfigError`` naming ``perf.merge_lora`` when it is set true where it cannot hold (bf16/fp16,
+    several ranks): a setting the code cannot honour is refused, never rewritten."""
     from dataclasses import replace
 
     from pretrain.config import ConfigError
 
+    if perf.compile is None and compile_blocker:
+        perf = replace(perf, compile=False)  # what the preset would set; an unset default is off anyway
     perf = apply_preset(perf)
     blocker = merge_lora_blocker(precision, distributed)
     if perf.merge_lora and lora and blocker:

@@ -52,3 +52,11 @@ class ParallelConfig:
 
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp)
+
+    def compile_blocker(self) -> str | None:
+        """Why per-block ``torch.compile`` cannot run under this layout (``tp`` > 1: the TP plans' own
+        collectives, Wan's sharded q/k norm and FLUX's gathered ``proj_out`` input, do not trace yet), or None."""
+        if self.tp > 1:
+            return (f"parallel.tp={self.tp}: the TP plans' own collectives (Wan's sharded q/k norm, FLUX's "
+                    f"gathered proj_out input) do not trace under torch.compile yet")
+        return None

@@ -146,10 +146,9 @@ class JobRanks:
                 if m is not None:
                     enable_sequence_parallel(m, self.mesh.sp_group)
         pcfg = replace(parallel, compile=parallel.compile or compile_blocks)
-        if pcfg.compile and self.mesh.tp_size > 1:
-            raise ConfigError(f"parallel.compile / perf.compile with parallel.tp={self.mesh.tp_size}: the TP plans' "
-                              f"own collectives (Wan's sharded q/k norm, FLUX's gathered proj_out input) do not "
-                              f"trace under torch.compile yet; turn compile off")
+        blocker = replace(parallel, tp=self.mesh.tp_size).compile_blocker()
+        if pcfg.compile and blocker:
+            raise ConfigError(f"parallel.compile / perf.compile with {blocker}; turn compile off")
         parallelize(model, self.mesh, pcfg)
         if reference is not None:
             parallelize(reference, self.mesh, pcfg)

@@ -123,13 +123,14 @@ def test_ode_sampler_reproduces_flux_pipeline(flux_dir, capsys):
     assert d_lat <= TOL and d_img <= TOL
 
 
-def test_grpo_log_probs_recomputed_in_training_equal_rollout(flux_dir, capsys):
+def _lora_rollout(folder):
+    """The tiny model with a perturbed LoRA policy (train mode) and a rollout of 6 samples (3 prompts x
+    group 2, in batches of 4 + 2)."""
     from pretrain.data.dataset import EncodedSet
-    from rollout.sampler import log_prob
     from tests.conftest import sampler_rollout
     from tests.families.lora_policy import perturbed_lora_policy
 
-    model, encoder, codec, meta = load_exported(flux_dir, options=OPTIONS)
+    model, encoder, codec, meta = load_exported(folder, options=OPTIONS)
     captions = PROMPTS + ["a cat", "a red flag"]
     prompts = EncodedSet(torch.zeros(4, 3, SIZE, SIZE, dtype=torch.uint8), captions, encoder.encode(captions))
     null = encoder.encode([""])
@@ -138,7 +139,13 @@ def test_grpo_log_probs_recomputed_in_training_equal_rollout(flux_dir, capsys):
     model.eval()
     traj = sampler_rollout(model, codec, prompts, [0, 1, 2], group=2, batch=4, null=null, sigmas=model.sigmas(STEPS),
                            noise=0.7, scale=1.0, latent_shape=codec.latent_shape(SIZE, SIZE))
-    model.train()
+    return model.train(), traj
+
+
+def test_grpo_log_probs_recomputed_in_training_equal_rollout(flux_dir, capsys):
+    from rollout.sampler import log_prob
+
+    model, traj = _lora_rollout(flux_dir)
     worst = 0.0
     with torch.enable_grad():
         for start in (0, 3):  # mini-batches of 3, rollout batches of 4 + 2
@@ -150,6 +157,13 @@ def test_grpo_log_probs_recomputed_in_training_equal_rollout(flux_dir, capsys):
     with capsys.disabled():
         print(f"\nFLUX GRPO: largest |ratio - 1| of training log-probs vs rollout {worst:.2e}")
     assert worst <= 1e-5, worst
+
+
+def test_gpu_preset_compiled_blocks_give_eager_log_probs_and_gradients(flux_dir, capsys):
+    from tests.families.compiled import assert_compiled_matches_eager
+
+    model, traj = _lora_rollout(flux_dir)  # 2 blocks: the double- and the single-stream one
+    assert_compiled_matches_eager(model, traj.select(torch.arange(3)), STEPS, "FLUX", 2, capsys)
 
 
 def test_grpo_run_exports_a_flux_pipeline_and_lora(flux_dir, tmp_path, capsys):
@@ -190,4 +204,4 @@ def test_flux1_dev_config_loads(flux_dir):
     assert cfg.rollout.guidance_scale == 1.0 and cfg.eval.guidance_scale == 1.0
     assert cfg.model.options["guidance"] == 3.5 and cfg.model.options["image_size"] == 512
     assert (cfg.policy.lora_rank, cfg.rollout.num_inference_steps, cfg.data.source) == (32, 6, "prompts")
-    assert cfg.model.pretrained == str(flux_dir)
+    assert cfg.model.pretrained == str(flux_dir) and cfg.perf.preset == "gpu"

@@ -171,9 +171,10 @@ def test_schedule_option_pipeline_by_default_or_shifted_once(folder, capsys):
         load_exported(folder, options={"schedule": "double"})
 
 
-def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
+def lora_rollout(folder: Path):
+    """The tiny model with a perturbed LoRA policy (train mode), the policy, and a rollout of 4 samples
+    (2 prompts x group 2, in batches of 3 + 1)."""
     from pretrain.data.dataset import DataConfig, build_datasets
-    from rollout.sampler import log_prob
     from tests.conftest import sampler_rollout
     from tests.families.lora_policy import perturbed_lora_policy
 
@@ -183,8 +184,14 @@ def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
     policy = perturbed_lora_policy(model)
     model.eval()
     traj = sampler_rollout(model, codec, train, [0, 1], group=2, batch=3, null=null, sigmas=model.sigmas(STEPS),
-                           noise=NOISE, scale=SCALE, latent_shape=codec.latent_shape(SIZE, SIZE))  # batches of 3 + 1
-    model.train()
+                           noise=NOISE, scale=SCALE, latent_shape=codec.latent_shape(SIZE, SIZE))
+    return model.train(), policy, traj
+
+
+def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
+    from rollout.sampler import log_prob
+
+    model, policy, traj = lora_rollout(folder)
     d_logp = d_ratio = 0.0
     with torch.enable_grad():
         for start in (0, 2):  # mini-batches of 2, not the rollout's
@@ -202,6 +209,13 @@ def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
     assert d_ref > 10 * TOL, d_ref.item()  # the reference (adapters off) gives other log-probs
 
 
+def test_gpu_preset_compiled_blocks_give_eager_log_probs_and_gradients(folder, capsys):
+    from tests.families.compiled import assert_compiled_matches_eager
+
+    model, _, traj = lora_rollout(folder)
+    assert_compiled_matches_eager(model, traj, STEPS, "sd3", 2, capsys)
+
+
 def test_sd35_medium_config_loads(folder):
     from posttrain.grpo import GRPOConfig, iteration_shape
     from pretrain.config import load_config
@@ -211,7 +225,7 @@ def test_sd35_medium_config_loads(folder):
     assert (cfg.rollout.num_inference_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale) == (10, 0.7, 4.5)
     assert (cfg.policy.lora_rank, cfg.policy.lora_alpha) == (32, 64)
     assert (cfg.grpo.loss["clip_range"], cfg.grpo.loss["beta"]) == (1e-4, 0.04)
-    assert cfg.optim.lr == 3e-4 and cfg.train.precision == "bf16"
+    assert cfg.optim.lr == 3e-4 and cfg.train.precision == "bf16" and cfg.perf.preset == "gpu"
     assert iteration_shape(cfg)[0] == cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 

@@ -164,23 +164,29 @@ def test_schedule_option_shifts_a_flow_match_schedule_once(wan_folder):
         load_exported(wan_folder, options={"schedule": "twice"})
 
 
-def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(wan_folder, capsys):
+def _lora_rollout(folder):
+    """The tiny model with a perturbed LoRA policy (train mode) and a rollout of 6 videos (3 prompts x
+    group 2, in batches of 4 + 2)."""
     from pretrain.data.dataset import EncodedSet
-    from rollout.sampler import log_prob
     from tests.conftest import sampler_rollout
     from tests.families.lora_policy import perturbed_lora_policy
 
-    model, encoder, codec, meta = load_exported(wan_folder, options={**OPTIONS, "image_size": 16})
+    model, encoder, codec, meta = load_exported(folder, options={**OPTIONS, "image_size": 16})
     captions = PROMPTS + ["a face", "the flag"]
     prompts = EncodedSet(torch.zeros(4, 3, 16, 16, dtype=torch.uint8), captions, encoder.encode(captions))
     null = encoder.encode([""])
     perturbed_lora_policy(model)
     model.eval()
-    sigmas = model.sigmas(STEPS)
-    traj = sampler_rollout(model, codec, prompts, [0, 1, 2], group=2, batch=4, null=null, sigmas=sigmas, noise=NOISE,
-                           scale=SCALE, latent_shape=codec.latent_shape(16, 16))  # 6 videos in batches of 4 + 2
+    traj = sampler_rollout(model, codec, prompts, [0, 1, 2], group=2, batch=4, null=null, sigmas=model.sigmas(STEPS),
+                           noise=NOISE, scale=SCALE, latent_shape=codec.latent_shape(16, 16))
     assert traj.latents.shape == (6, STEPS + 1, 4, 2, 2, 2) and traj.images.shape == (6, FRAMES, 3, 16, 16)
-    model.train()  # train mode, mini-batches of 3 (not the rollout's 4), CFG uncond branch detached
+    return model.train(), traj
+
+
+def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(wan_folder, capsys):
+    from rollout.sampler import log_prob
+
+    model, traj = _lora_rollout(wan_folder)  # train mode, mini-batches of 3 (not the rollout's 4), CFG uncond detached
     deviations = []
     with torch.enable_grad():
         for start, t in itertools.product((0, 3), range(STEPS)):
@@ -191,6 +197,13 @@ def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(wan_folder
     with capsys.disabled():
         print(f"\nwan video rollout: max |ratio - 1| in training = {worst:.2e}")
     assert worst <= 1e-5, worst
+
+
+def test_gpu_preset_compiled_blocks_give_eager_log_probs_and_gradients(wan_folder, capsys):
+    from tests.families.compiled import assert_compiled_matches_eager
+
+    model, traj = _lora_rollout(wan_folder)
+    assert_compiled_matches_eager(model, traj.select(torch.arange(3)), STEPS, "wan", 2, capsys)
 
 
 if "test_video_brightness" not in REGISTRY:
@@ -252,4 +265,4 @@ def test_real_wan21_config_loads(wan_folder):
     opts = cfg.model.options
     assert check_num_frames(opts["num_frames"], 4) == opts["num_frames"] and opts["image_size"] % 16 == 0
     assert 10 <= cfg.rollout.num_inference_steps <= 16 and cfg.policy.lora_rank > 0
-    assert cfg.rollout.guidance_scale == 5.0 and cfg.train.precision == "bf16"
+    assert cfg.rollout.guidance_scale == 5.0 and cfg.train.precision == "bf16" and cfg.perf.preset == "gpu"

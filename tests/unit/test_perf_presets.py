@@ -45,3 +45,16 @@ def test_the_preset_override_reaches_the_config_from_the_command_line(tmp_path):
     cfg = load_config(GRPOConfig, None, [f"run_dir={tmp_path}", "model.pretrained=x", "perf.preset=cpu",
                                          "perf.reward_workers=1", "rewards.jpeg_compressibility=1.0"])
     assert resolve_perf(cfg.perf, "fp32", False).reward_workers == 1
+
+
+def test_a_layout_compile_cannot_run_under_leaves_the_presets_compile_off():
+    from pretrain.parallel.config import ParallelConfig
+
+    blocker = ParallelConfig(tp=2).compile_blocker()
+    assert "parallel.tp=2" in blocker and ParallelConfig(sp=2).compile_blocker() is None
+    gpu = resolve_perf(PerfConfig(preset="gpu"), "bf16", True, compile_blocker=blocker)
+    assert (gpu.compile, gpu.sigmoid_gelu) == (False, False)
+    small = resolve_perf(PerfConfig(preset="gpu_small"), "bf16", True, compile_blocker=blocker)
+    assert (small.compile, small.transitions_per_forward) == (False, 0)  # the rest of the preset still holds
+    asked = resolve_perf(PerfConfig(preset="gpu", compile=True), "bf16", True, compile_blocker=blocker)
+    assert asked.compile  # an explicit value is kept, and refused with a config error where the model is sharded
