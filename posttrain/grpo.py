@@ -159,7 +159,7 @@ class GRPORun:
             cfg.parallel, Path(cfg.run_dir) / "flight_recorder")
         ranks.check(cfg.rollout.prompts_per_step, cfg.train.batch_size, cfg.train.ema_decay)
         self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed, cfg.policy.lora_rank > 0,
-                                 cfg.parallel.compile_blocker())
+                                 cfg.parallel.untested_compile() if ranks.distributed else None)
         self.rewards = CompositeReward(cfg.rewards)  # first: a reward server that does not answer fails fast
         self.st = st = PolicyStage.setup(cfg, "grpo")
         apply_model_options(self.perf, st.model, st.policy.frozen_reference)

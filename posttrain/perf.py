@@ -106,9 +106,9 @@ def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool
                  compile_blocker: str | None = None) -> PerfConfig:
     """``perf`` with its preset applied (:func:`apply_preset`), ``merge_lora`` resolved: None = on for a
     LoRA policy in fp32 in one process; off without LoRA (nothing to merge); and ``sigmoid_gelu``: None =
-    ``compile``. ``compile_blocker``: why compile cannot run under the run's layout
-    (:meth:`pretrain.parallel.config.ParallelConfig.compile_blocker`); a preset then leaves compile off,
-    while an explicit ``compile: true`` stays and is refused where the model is sharded. Raises
+    ``compile``. ``compile_blocker``: why compile cannot run, or is untested, under the run's sharded
+    layout (:meth:`pretrain.parallel.config.ParallelConfig.untested_compile`); a preset then leaves compile
+    off, while an explicit ``compile: true`` stays (and is refused where it cannot run: ``parallel.tp`` > 1). Raises
     ``ConfigError`` naming ``perf.merge_lora`` when it is set true where it cannot hold (bf16/fp16,
     several ranks): a setting the code cannot honour is refused, never rewritten."""
     from dataclasses import replace

@@ -60,3 +60,13 @@ class ParallelConfig:
             return (f"parallel.tp={self.tp}: the TP plans' own collectives (Wan's sharded q/k norm, FLUX's "
                     f"gathered proj_out input) do not trace under torch.compile yet")
         return None
+
+    def untested_compile(self) -> str | None:
+        """Why a ``perf`` preset leaves per-block compile off under this layout: :meth:`compile_blocker`'s
+        reason, or ``sp`` / ``cp`` > 1 (their all-to-alls and ring exchanges inside attention have no test
+        under compile; an explicit ``compile: true`` still runs there), or None."""
+        blocker = self.compile_blocker()
+        if blocker:
+            return blocker
+        wide = [f"parallel.{k}={getattr(self, k)}" for k in ("sp", "cp") if getattr(self, k) > 1]
+        return f"{', '.join(wide)}: not tested under torch.compile" if wide else None

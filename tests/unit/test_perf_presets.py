@@ -50,8 +50,12 @@ def test_the_preset_override_reaches_the_config_from_the_command_line(tmp_path):
 def test_a_layout_compile_cannot_run_under_leaves_the_presets_compile_off():
     from pretrain.parallel.config import ParallelConfig
 
-    blocker = ParallelConfig(tp=2).compile_blocker()
-    assert "parallel.tp=2" in blocker and ParallelConfig(sp=2).compile_blocker() is None
+    blocker = ParallelConfig(tp=2).untested_compile()
+    assert "parallel.tp=2" in blocker and blocker == ParallelConfig(tp=2).compile_blocker()
+    assert ParallelConfig(sp=2).compile_blocker() is None  # compile under SP / CP is not refused, only left to the user
+    untested = ParallelConfig(sp=2, cp=2).untested_compile()
+    assert untested == "parallel.sp=2, parallel.cp=2: not tested under torch.compile"
+    assert ParallelConfig(dp_shard=4).untested_compile() is None
     gpu = resolve_perf(PerfConfig(preset="gpu"), "bf16", True, compile_blocker=blocker)
     assert (gpu.compile, gpu.sigmoid_gelu) == (False, False)
     small = resolve_perf(PerfConfig(preset="gpu_small"), "bf16", True, compile_blocker=blocker)
