@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
+from posttrain.grpo.stage import GRPOConfig, GRPORun  # noqa: E402
 
 from pretrain.runtime.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402

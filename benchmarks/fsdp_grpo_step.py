@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=1, help="mini-batches per optimizer step")
     args = ap.parse_args()
     from benchmarks.gpu_check import make_encoder, make_shapes
-    from posttrain.grpo import GRPOConfig, GRPORun
+    from posttrain.grpo.stage import GRPOConfig, GRPORun
     from pretrain.runtime.loop import step_once
     from pretrain.runtime.profiling import peak_rss_mb
     from pretrain.config import load_config

@@ -118,8 +118,8 @@ def main() -> None:
 
 
 def grpo_checks(export: Path, base: list[str], work: Path, device: str, iterations: int) -> dict:
-    from posttrain.grpo import GRPOConfig, train as grpo_train
-    from posttrain.policy import Policy, PolicyConfig
+    from posttrain.grpo.stage import GRPOConfig, train as grpo_train
+    from posttrain.base.policy import Policy, PolicyConfig
     from pretrain.config import load_config
     from pretrain.data.dataset import DataConfig, build_datasets
     from pretrain.export import load_exported
@@ -181,7 +181,7 @@ def first_ratio_drift(export: Path, base: list[str], work: Path) -> dict:
     """bf16 GRPO, one iteration whose every mini-batch comes before the optimizer step (rollout batches
     of 32, training mini-batches of 8, accumulation 4): the largest |ratio - 1| with the rollout's
     log-probs against ``grpo.old_log_prob: recompute``, and the recomputation's cost."""
-    from posttrain.grpo import GRPOConfig, GRPORun
+    from posttrain.grpo.stage import GRPOConfig, GRPORun
     from pretrain.config import load_config
 
     out = {}

@@ -39,7 +39,7 @@ from benchmarks.bench_assets import build_assets  # noqa: E402
 from benchmarks.kernel_rates import (CPU_ATTENTION_FORMULAS, FLOOR_CLASSES, attention_gflops,  # noqa: E402
                                      floor_by_class, is_attention, matmul_gflops, model_shape_gflops)
 from benchmarks.time_breakdown import CLASSES, enable_kernel_names, profiled_breakdown  # noqa: E402
-from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
+from posttrain.grpo.stage import GRPOConfig, GRPORun  # noqa: E402
 from pretrain.runtime.loop import step_once  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.runtime.profiling import peak_rss_mb  # noqa: E402

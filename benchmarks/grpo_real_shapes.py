@@ -67,7 +67,7 @@ class CountedUpdate:
 
 def run_mode(mode: str, args, assets: dict, peak_tflops: float) -> dict:
     """``--warmup`` + ``--iterations`` timed GRPO iterations and one FLOP-counted one, ``mode`` lora / full."""
-    from posttrain.grpo import GRPOConfig, GRPORun
+    from posttrain.grpo.stage import GRPOConfig, GRPORun
     from pretrain.config import load_config
     from pretrain.runtime.loop import step_once
     from pretrain.runtime.profiling import peak_rss_mb

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from posttrain.grpo import GRPOConfig, GRPORun  # noqa: E402
+from posttrain.grpo.stage import GRPOConfig, GRPORun  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.runtime.loop import step_once  # noqa: E402
 from rewards.jpeg import jpeg_size_kb  # noqa: E402

@@ -20,18 +20,14 @@ from pathlib import Path
 
 
 def _stage(args) -> int:
-    from posttrain.stages import get_stage, has_checkpoints
-    from pretrain.config import load_config
+    from posttrain.stages import run_command
 
-    schema, train = get_stage(args.command)
-    overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume and has_checkpoints(schema) else [])
-    cfg = load_config(schema, args.config, overrides)
-    out = train(cfg)
+    cfg, out = run_command(args.command, args.config, args.overrides, args.resume)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 wrote the export
         print(f"export: {out}")
     folder = Path(cfg.run_dir) / args.command
     if (folder / "metrics.jsonl").is_file():  # a training stage: its curves as report.md + PNG
-        from posttrain.report import report_after_run
+        from posttrain.eval.report import report_after_run
 
         report_after_run(folder)
     return 0
@@ -47,7 +43,7 @@ def _pipeline(args) -> int:
 
 
 def _sweep(args) -> int:
-    from posttrain.sweep import SweepConfig, run_sweep
+    from posttrain.tools.sweep import SweepConfig, run_sweep
     from pretrain.config import load_config
 
     print(f"report: {run_sweep(load_config(SweepConfig, args.config, args.overrides))}")
@@ -55,7 +51,7 @@ def _sweep(args) -> int:
 
 
 def _eval(args) -> int:
-    from posttrain.evaluate import EvalConfig, evaluate
+    from posttrain.eval.evaluate import EvalConfig, evaluate
     from pretrain.runtime.runtime import resolve_device
 
     from pretrain.config import ConfigError, validate
@@ -94,7 +90,7 @@ def _sample(args) -> int:
 
 
 def _serve_reward(args) -> int:
-    from posttrain.serve_reward import Limits, serve
+    from posttrain.tools.serve_reward import Limits, serve
 
     limits = Limits(max_body_bytes=int(args.max_body_mib * 2**20), max_image_pixels=args.max_image_pixels,
                     max_request_pixels=args.max_request_pixels, read_timeout_s=args.read_timeout,
@@ -110,7 +106,7 @@ def _serve_reward(args) -> int:
 def _train_reward(args) -> int:
     import json
 
-    from posttrain.train_reward import TrainRewardConfig, train_reward
+    from posttrain.tools.train_reward import TrainRewardConfig, train_reward
     from pretrain.config import load_config
 
     metrics = train_reward(load_config(TrainRewardConfig, args.config, args.overrides))
@@ -119,7 +115,7 @@ def _train_reward(args) -> int:
 
 
 def _report(args) -> int:
-    from posttrain.report import write_report
+    from posttrain.eval.report import write_report
 
     out = write_report(args.run_dir)
     print(f"report: {out['report']}")
@@ -146,11 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     from posttrain.stages import STAGES
 
-    helps = {"pretrain": "flow-matching pretraining", "grpo": "Flow-GRPO post-training",
-             "dpo": "Diffusion-DPO post-training", "midtrain": "supervised flow-matching fine-tuning of an export",
-             "curate": "score a dataset with rewards, filter, drop near-duplicates (a folder dataset and a report)"}
     for name in [*STAGES, "pipeline"]:
-        st = sub.add_parser(name, help=helps.get(name, "chain stages, then evaluate") + " from a YAML config")
+        line = STAGES[name].help if name in STAGES else "chain stages, then evaluate"
+        st = sub.add_parser(name, help=line + " from a YAML config")
         st.add_argument("config")
         st.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
         st.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")

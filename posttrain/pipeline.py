@@ -1,14 +1,14 @@
 """`posttrain pipeline CONFIG`: chain stages (pretrain -> grpo ...), each starting from the previous
 stage's export, then evaluate every stage's export side by side (paired, same seeds), then write the run
-report (``<run_dir>/report.md`` with plots, :mod:`posttrain.report`)."""
+report (``<run_dir>/report.md`` with plots, :mod:`posttrain.eval.report`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.evaluate import EvalConfig, evaluate
-from posttrain.stages import DATA_STAGES, get_stage, has_checkpoints
+from posttrain.eval.evaluate import EvalConfig, evaluate
+from posttrain.stages import data_stages, get_stage, has_checkpoints
 from pretrain.config import ConfigError, load_config, save_config
 
 
@@ -82,16 +82,16 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
         data = []
         if stage.data_from is not None:
             earlier = [s.command for s in cfg.stages[:i]]
-            if stage.data_from not in earlier or stage.data_from not in DATA_STAGES:
+            if stage.data_from not in earlier or stage.data_from not in data_stages():
                 raise ConfigError(f"pipeline: stages.{i}.data_from: '{stage.data_from}' is not an earlier data stage "
-                                  f"(earlier: {earlier}; data stages: {sorted(DATA_STAGES)})")
+                                  f"(earlier: {earlier}; data stages: {data_stages()})")
             data = ["data.source=folder", f"data.path={run / stage.data_from / 'data'}"]
         try:
             loaded = load_config(schema, stage.config, overrides)
         except ConfigError as e:
             raise ConfigError(f"pipeline: stages.{i} ({stage.command}): {e}") from e
         out.append(PlannedStage(stage, schema, train, overrides + data, loaded))
-        if stage.command not in DATA_STAGES:
+        if stage.command not in data_stages():
             source = run / stage.command / "export"
         elif source is None and getattr(getattr(loaded, "model", None), "pretrained", None):
             source = loaded.model.pretrained  # a data stage first: the export it passes through
@@ -112,7 +112,7 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
     for i, planned in enumerate(stages):
         print(f"== stage {i}: {planned.stage.command} ({planned.stage.config})", flush=True)
         out = str(planned.train(planned.load()))
-        if planned.stage.command not in DATA_STAGES:
+        if planned.stage.command not in data_stages():
             exports.append(out)
     results = None
     if cfg.evaluate:
@@ -120,6 +120,6 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
         data = getattr(stages[0].config, "data", None)  # held-out prompts and guard images of the first stage's data
         results = evaluate(exports, cfg.eval, run / "eval", device=resolve_device(cfg.device), data=data)
         print(results["table"], flush=True)
-    from posttrain.report import report_after_run
+    from posttrain.eval.report import report_after_run
 
     return {"exports": exports, "eval": results, "report": report_after_run(run)}

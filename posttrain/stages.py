@@ -1,92 +1,98 @@
-"""Registry of trainable stages: command name -> (Config dataclass, train function).
+"""The one table of stages: command name -> :class:`Stage` (its Config class, its Run class or train
+function, whether it writes data rather than a model, its help line).
 
-A new algorithm registers one entry here; the CLI and the pipeline runner need no other change.
-Every train function takes its config and returns the export folder it wrote (a data stage, which
-writes a dataset, returns the export it was given, so a pipeline continues from it).
+A new stage registers one row (:data:`STAGES`, or ``STAGES.register(name, Stage(...))`` from code of
+your own); the CLI, the pipeline runner and the sweep need no other change. Every entry is a lazy
+``module:attr`` path, so listing the stages imports none of them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Callable
 
-
-def _pretrain():
-    from pretrain.trainer import PretrainConfig, train
-
-    return PretrainConfig, train
+from pretrain.registry import Registry, import_path
 
 
-def _grpo():
-    from posttrain.grpo import GRPOConfig, train
+@dataclass(frozen=True)
+class Stage:
+    """One stage. ``config``: its Config dataclass (``module:Class``); ``run``: its stage object
+    (:mod:`pretrain.runtime.loop`'s protocol: constructed from the config, then stepped), None for a
+    stage that is one function call; ``train``: the function ``train(cfg) -> Path`` that runs it to the
+    end (the export folder; a data stage returns the export it was given); ``data``: it writes a dataset
+    (``<run_dir>/<command>/data``), not a model; ``sweep``: a post-training stage whose Run a sweep can
+    step (it has ``st``, a :class:`posttrain.base.stage.PolicyStage`, and ``rt``); ``help``: the CLI's line."""
 
-    return GRPOConfig, train
+    config: str
+    train: str
+    run: str | None = None
+    data: bool = False
+    sweep: bool = False
+    help: str = ""
+
+    def schema(self) -> type:
+        return import_path(self.config, "stage config")
+
+    def train_fn(self) -> Callable:
+        return import_path(self.train, "stage train function")
+
+    def run_class(self) -> type | None:
+        return import_path(self.run, "stage run class") if self.run else None
+
+    def has_checkpoints(self) -> bool:
+        """Whether its config has a ``checkpoint`` block (``--resume`` applies); a data stage has none (it
+        reuses an identical earlier output instead)."""
+        return has_checkpoints(self.schema())
 
 
-def _dpo():
-    from posttrain.dpo import DPOConfig, train
-
-    return DPOConfig, train
-
-
-def _midtrain():
-    from posttrain.midtrain import MidtrainConfig, train
-
-    return MidtrainConfig, train
-
-
-def _curate():
-    from posttrain.curate import CurateConfig, curate
-
-    return CurateConfig, curate
-
-
-STAGES: dict[str, Callable[[], tuple[type, Callable]]] = {"pretrain": _pretrain, "grpo": _grpo, "dpo": _dpo,
-                                                          "midtrain": _midtrain, "curate": _curate}
-#: Stages that write a dataset (``<run_dir>/<command>/data``), not a model: in a pipeline the next stage
-#: continues from the export before them, and a later stage reads their data with ``data_from``.
-DATA_STAGES = {"curate"}
+STAGES = Registry("stage", {
+    "pretrain": Stage("pretrain.trainer:PretrainConfig", "pretrain.trainer:train", "pretrain.trainer:PretrainRun",
+                      help="flow-matching pretraining"),
+    "grpo": Stage("posttrain.grpo.stage:GRPOConfig", "posttrain.grpo.stage:train", "posttrain.grpo.stage:GRPORun", sweep=True,
+                  help="Flow-GRPO post-training (and the forward-process losses NFT, AWM, DGPO)"),
+    "dpo": Stage("posttrain.dpo.stage:DPOConfig", "posttrain.dpo.stage:train", "posttrain.dpo.stage:DPORun", sweep=True,
+                 help="Diffusion-DPO post-training"),
+    "midtrain": Stage("posttrain.midtrain.stage:MidtrainConfig", "posttrain.midtrain.stage:train",
+                      "posttrain.midtrain.stage:MidtrainRun", sweep=True, help="supervised flow-matching fine-tuning of an export"),
+    "curate": Stage("posttrain.curate.stage:CurateConfig", "posttrain.curate.stage:curate", data=True,
+                    help="score a dataset with rewards, filter, drop near-duplicates (a folder dataset and a report)"),
+}, key="command")
 
 
 def has_checkpoints(schema: type) -> bool:
-    """Whether a stage's config has a ``checkpoint`` block (``--resume`` applies); a data stage has none
-    (it reuses an identical earlier output instead)."""
-    from dataclasses import fields
-
+    """Whether a stage's config class has a ``checkpoint`` block (``--resume`` applies)."""
     return any(f.name == "checkpoint" for f in fields(schema))
 
 
 def get_stage(command: str) -> tuple[type, Callable]:
     """(Config class, train function) for ``command``; ``ValueError`` naming the known stages."""
-    if command not in STAGES:
-        raise ValueError(f"unknown stage '{command}'; known: {sorted(STAGES)}")
-    return STAGES[command]()
-
-
-def _grpo_run():
-    from posttrain.grpo import GRPORun
-
-    return GRPORun
-
-
-def _dpo_run():
-    from posttrain.dpo import DPORun
-
-    return DPORun
-
-
-def _midtrain_run():
-    from posttrain.midtrain import MidtrainRun
-
-    return MidtrainRun
-
-
-#: The post-training stages a sweep can drive step by step: command -> stage-object class
-#: (:mod:`pretrain.runtime.loop`'s protocol, plus ``st`` (:class:`posttrain.stage.PolicyStage`) and ``rt``).
-RUNS: dict[str, Callable[[], type]] = {"grpo": _grpo_run, "dpo": _dpo_run, "midtrain": _midtrain_run}
+    stage = STAGES.get(command)
+    return stage.schema(), stage.train_fn()
 
 
 def get_run(command: str, key: str = "command") -> type:
-    """The stage-object class of post-training stage ``command``; ``ValueError`` naming ``key``."""
-    if command not in RUNS:
-        raise ValueError(f"{key}: '{command}' cannot be swept; known: {sorted(RUNS)}")
-    return RUNS[command]()
+    """The stage-object class of ``command`` (what a sweep steps); ``ValueError`` naming ``key`` when the
+    stage has none."""
+    if command not in STAGES or not STAGES[command].sweep:
+        raise ValueError(f"{key}: '{command}' cannot be swept; known: {sorted(n for n in STAGES if STAGES[n].sweep)}")
+    return STAGES[command].run_class()
+
+
+def data_stages() -> list[str]:
+    """The stages that write a dataset, not a model (in a pipeline the next stage continues from the
+    export before them, and a later stage reads their data with ``data_from``)."""
+    return sorted(n for n in STAGES if STAGES[n].data)
+
+
+def run_command(command: str, config: str, overrides: list[str], resume: bool = False) -> tuple[object, Path]:
+    """Load stage ``command``'s config from ``config`` with ``overrides`` (``--resume`` adds
+    ``checkpoint.resume=true`` where the stage checkpoints) and run it to the end. Returns (the loaded
+    config, the export folder). ``ConfigError`` for a bad config, before anything loads."""
+    from pretrain.config import load_config
+
+    stage = STAGES.get(command)
+    schema = stage.schema()
+    overrides = list(overrides) + (["checkpoint.resume=true"] if resume and has_checkpoints(schema) else [])
+    cfg = load_config(schema, config, overrides)
+    return cfg, stage.train_fn()(cfg)

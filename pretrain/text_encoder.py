@@ -5,7 +5,7 @@
 the same way, for real models.
 
 Both cut prompts at ``max_length`` tokens (special tokens included). Each call counts the prompts that
-were longer in ``encoder.truncation`` (:class:`rewards.truncation.TruncationCounter`, named
+were longer in ``encoder.truncation`` (:class:`pretrain.truncation.TruncationCounter`, named
 ``text_encoder.<name>``; one warning per process); :meth:`check_truncation` counts without encoding.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from rewards.truncation import TruncationCounter, hf_token_counts
+from pretrain.truncation import TruncationCounter, hf_token_counts
 
 
 @dataclass
@@ -36,6 +36,18 @@ class PromptEmbeds:
     @staticmethod
     def cat(items: list["PromptEmbeds"]) -> "PromptEmbeds":
         return PromptEmbeds(torch.cat([i.tokens for i in items]), torch.cat([i.pooled for i in items]))
+
+
+class NoTextEmbeds:
+    """Stands in for a text encoder in ``build_datasets`` when a stage does not need caption embeddings
+    (curation scores images with its rewards; learned_clip encodes captions with its own MiniLM):
+    ``encode(prompts)`` gives zeros of shape [B, 1, 1] (tokens) and [B, 1] (pooled), float32, cached
+    under ``cache_key``."""
+
+    cache_key = "none-0"
+
+    def encode(self, prompts) -> PromptEmbeds:
+        return PromptEmbeds(torch.zeros(len(prompts), 1, 1), torch.zeros(len(prompts), 1))
 
 
 class MiniLMEncoder:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from rewards.specs import RewardSpec, check_import_path, is_import_path, parse_reward_spec, parse_reward_specs
+from pretrain.registry import Registry, import_path
+from rewards.specs import RewardSpec, is_import_path, parse_reward_spec, parse_reward_specs
 
 __all__ = ["RewardModel", "RewardSpec", "REGISTRY", "register", "known_rewards", "check_reward_weights",
            "build_reward", "build_from_spec", "resolve_factory", "parse_reward_spec", "parse_reward_specs", "weighted_sum",
@@ -27,9 +28,6 @@ __all__ = ["RewardModel", "RewardSpec", "REGISTRY", "register", "known_rewards",
 
 class RewardModel(Protocol):
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor: ...
-
-
-REGISTRY: dict[str, Callable[..., RewardModel]] = {}
 
 
 def builtin_modules() -> list[str]:
@@ -41,28 +39,25 @@ def builtin_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(rewards.__path__) if not m.name.startswith("_"))
 
 
-def register(name: str):
-    """Class/function decorator adding a reward factory to the registry under ``name``."""
-
-    def wrap(factory):
-        if name in REGISTRY:
-            raise ValueError(f"reward '{name}' is already registered")
-        REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
 def _load_builtins() -> None:
     for module in builtin_modules():
         importlib.import_module(f"rewards.{module}")
 
 
+#: Reward name -> factory (the built-ins register on first lookup).
+REGISTRY: Registry = Registry("reward", key="rewards", load=_load_builtins)
+
+
+def register(name: str):
+    """Class/function decorator adding a reward factory to the registry under ``name`` (``ValueError``
+    if another factory holds it)."""
+    return REGISTRY.register(name)
+
+
 def known_rewards() -> list[str]:
     """Names of the registered rewards (built-ins included). Import paths are not listed; they are
     known when importable (``check_reward_weights`` imports them)."""
-    _load_builtins()
-    return sorted(REGISTRY)
+    return REGISTRY.names()
 
 
 def resolve_factory(name: str, key: str = "rewards") -> Callable:
@@ -70,22 +65,13 @@ def resolve_factory(name: str, key: str = "rewards") -> Callable:
     dotted) the imported attribute. ``ValueError`` naming ``key.name`` for an unknown name, a module
     that fails to import, or a missing attribute."""
     if not is_import_path(name):
-        _load_builtins()
         if name not in REGISTRY:
-            raise ValueError(f"{key}: unknown reward(s) ['{name}']; known: {sorted(REGISTRY)} "
+            raise ValueError(f"{key}: unknown reward(s) ['{name}']; known: {REGISTRY.names()} "
                              f"or an import path 'pkg.module:attr'")
         return REGISTRY[name]
-    module_name, attr = check_import_path(name, key)
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or any error raised while the user's module runs
-        raise ValueError(f"{key}.{name}: cannot import module '{module_name}': {type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{key}.{name}: module '{module_name}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
+    obj = import_path(name, f"{key}.{name}")
     if not callable(obj):
-        raise ValueError(f"{key}.{name}: '{attr}' is not callable")
+        raise ValueError(f"{key}.{name}: '{name.partition(':')[2]}' is not callable")
     return obj
 
 

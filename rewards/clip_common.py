@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rewards.images import freeze, to_pil, torch_dtype
-from rewards.truncation import TruncationCounter, hf_token_counts
+from pretrain.truncation import TruncationCounter, hf_token_counts
 
 
 def _features(out) -> torch.Tensor:

@@ -23,7 +23,7 @@ class ClipScore:
     (tokenizer + ``preprocessor_config.json``; default ``path``); ``device``; ``dtype`` of the model
     ("float32", "bfloat16", "float16"). Call: images float ``[B, 3, H, W]`` in [0, 1], ``B`` prompts ->
     float32 ``[B]``. Prompts longer than 77 tokens are cut (so they score as their first 77 tokens);
-    ``truncation`` counts them per call (:class:`rewards.truncation.TruncationCounter`). ``ValueError``
+    ``truncation`` counts them per call (:class:`pretrain.truncation.TruncationCounter`). ``ValueError``
     for a wrong shape or prompt count; ``FileNotFoundError`` for a missing folder."""
 
     def __init__(self, path: str, processor_path: str | None = None, scale: float = 1.0,

@@ -10,7 +10,7 @@ import torch
 
 from rewards.base import register
 from rewards.images import check_images, freeze, to_pil
-from rewards.truncation import TruncationCounter, openclip_token_counts
+from pretrain.truncation import TruncationCounter, openclip_token_counts
 
 
 @register("hpsv2")
@@ -26,7 +26,7 @@ class HPSv2:
     bf16, fp16, amp, ...). Images go through OpenCLIP's validation transform (resize, centre crop,
     OpenAI mean/std); prompts through the architecture's tokenizer (bundled BPE, no download), cut at
     its context length (77 tokens with start and end of text for ViT-H-14) and counted per call in
-    ``truncation`` (:class:`rewards.truncation.TruncationCounter`). ``FileNotFoundError`` for a
+    ``truncation`` (:class:`pretrain.truncation.TruncationCounter`). ``FileNotFoundError`` for a
     missing file; ``ValueError`` for a wrong image shape or prompt count."""
 
     def __init__(self, checkpoint: str, model_name: str = "ViT-H-14", model_config: str | None = None,

@@ -16,7 +16,7 @@ from rewards.aesthetic import AestheticMLP
 from rewards.base import register
 from rewards.images import check_images, freeze, to_pil
 from rewards.imagereward_convert import med_to_text_config, split_imagereward_state_dict
-from rewards.truncation import TruncationCounter, hf_token_counts
+from pretrain.truncation import TruncationCounter, hf_token_counts
 
 # ImageReward v1.0: BLIP's med_config.json (bert-base + 2 added tokens) and BLIP's 'large' ViT.
 MED_CONFIG = {"vocab_size": 30524, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -67,7 +67,7 @@ class ImageReward:
     of the ViT-L/16 settings (``BlipVisionConfig`` names: hidden_size, num_hidden_layers,
     num_attention_heads, intermediate_size, image_size, patch_size); ``device``; ``max_length`` of
     the prompt tokens (35 with [CLS] and [SEP], as released; longer prompts are cut, and counted per
-    call in ``truncation``, a :class:`rewards.truncation.TruncationCounter`). Images: bicubic resize +
+    call in ``truncation``, a :class:`pretrain.truncation.TruncationCounter`). Images: bicubic resize +
     centre crop to ``image_size`` and CLIP mean/std, as ImageReward's own transform.
     ``FileNotFoundError`` for a missing file; ``ValueError`` when the checkpoint does not fit the
     configured architecture."""

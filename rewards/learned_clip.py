@@ -27,7 +27,7 @@ from torch import nn
 
 from rewards.base import register
 from rewards.images import check_images, freeze
-from rewards.truncation import TruncationCounter, hf_token_counts
+from pretrain.truncation import TruncationCounter, hf_token_counts
 
 FORMAT = "learned_clip/1"
 
@@ -174,7 +174,7 @@ class LearnedClip:
     Args: ``path``: a folder written by ``posttrain train-reward``; ``device``; ``logit``. Call: images
     float ``[B, 3, H, W]`` in [0, 1], ``B`` prompts. Prompts longer than the model's
     ``text_max_length`` tokens (32 by default, [CLS] and [SEP] included) are cut; ``truncation``
-    counts them per call (:class:`rewards.truncation.TruncationCounter`, named as the reward).
+    counts them per call (:class:`pretrain.truncation.TruncationCounter`, named as the reward).
     ``ValueError`` for a wrong shape or prompt count, ``FileNotFoundError`` for a missing folder or
     file."""
 

@@ -19,7 +19,7 @@ class PickScore:
     ``processor_path``: the ``CLIPProcessor`` folder (PickScore uses that of
     laion/CLIP-ViT-H-14-laion2B-s32B-b79K; default ``path``); ``device``; ``dtype``. Images float
     ``[B, 3, H, W]`` in [0, 1] with ``B`` prompts; prompts longer than 77 tokens are cut and counted in
-    ``truncation`` (:class:`rewards.truncation.TruncationCounter`). ``ValueError`` for a wrong shape or
+    ``truncation`` (:class:`pretrain.truncation.TruncationCounter`). ``ValueError`` for a wrong shape or
     prompt count; ``FileNotFoundError`` for a missing folder."""
 
     def __init__(self, path: str, processor_path: str | None = None, device: str = "cpu",

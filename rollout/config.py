@@ -39,7 +39,7 @@ class RolloutConfig:
 
     Batch: ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a time.
 
-    Engine (:mod:`posttrain.engines`; not recorded on trajectories): ``engine`` ``local`` (every
+    Engine (:mod:`posttrain.grpo.engines`; not recorded on trajectories): ``engine`` ``local`` (every
     trainer rank samples its share, the default) or ``ray`` (``workers`` Ray actors with ``num_cpus`` /
     ``num_gpus`` each, in one placement group; ``ray_address`` or ``RAY_ADDRESS`` joins a running
     cluster, else a local one is started); ``mode`` ``sync`` (on-policy), ``one_step_off`` (iteration

@@ -23,6 +23,7 @@ import torch
 
 from rollout.dpm_solver import dpmpp_2m_update, flow_data_prediction
 from rollout.sde import SDEStep
+from pretrain.registry import Registry
 
 
 def euler(step: Callable, x: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next, previous, **step_kwargs
@@ -45,11 +46,9 @@ def dpmpp_2m(step: Callable, x: torch.Tensor, velocity: torch.Tensor, sigma, sig
 
 
 #: ``rollout.ode_solver`` names: ``euler`` (default), ``dpmpp_2m`` (MixGRPO-Flash).
-ODE_SOLVERS: dict[str, Callable] = {"euler": euler, "dpmpp_2m": dpmpp_2m}
+ODE_SOLVERS = Registry("ODE solver", {"euler": euler, "dpmpp_2m": dpmpp_2m}, key="rollout.ode_solver")
 
 
 def get_ode_solver(name: str, key: str = "rollout.ode_solver") -> Callable:
     """The solver registered as ``name``; ``ValueError`` naming ``key`` and the known names."""
-    if name not in ODE_SOLVERS:
-        raise ValueError(f"{key}: unknown ODE solver '{name}'; known: {sorted(ODE_SOLVERS)}")
-    return ODE_SOLVERS[name]
+    return ODE_SOLVERS.get(name, key)

@@ -1,4 +1,4 @@
-"""Typed records exchanged between a trainer and rollout workers (:mod:`posttrain.engines`).
+"""Typed records exchanged between a trainer and rollout workers (:mod:`posttrain.grpo.engines`).
 
 A request is one rollout batch: the prompts (indices into the training prompt set), the global sample
 ids that key every random draw (:func:`rollout.noise.rollout_noise`), so a batch sampled by any worker

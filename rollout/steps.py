@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from pretrain.registry import Registry
 from rollout.cps import cps_step
 from rollout.ddim import ddim_step
 from rollout.ode import ode_step
@@ -22,18 +23,15 @@ from rollout.sde import sde_step
 #: ``ode``: the deterministic Euler step, no log-probs (forward-process methods: NFT, AWM, DGPO).
 #: A step function may set ``noise_level_max`` (checked when the config loads) and ``deterministic``
 #: (every transition is then taken by ``rollout.ode_solver``; nothing to recompute).
-STEPS: dict[str, Callable] = {"sde": sde_step, "cps": cps_step, "ddim": ddim_step, "ode": ode_step}
+STEPS = Registry("step type", {"sde": sde_step, "cps": cps_step, "ddim": ddim_step, "ode": ode_step},
+                 key="rollout.step")
 
 
 def register_step(name: str, fn: Callable) -> None:
     """Add step type ``name`` (``ValueError`` if the name is taken by another function)."""
-    if STEPS.get(name, fn) is not fn:
-        raise ValueError(f"rollout step '{name}' is already registered")
-    STEPS[name] = fn
+    STEPS.register(name, fn)
 
 
 def get_step(name: str, key: str = "rollout.step") -> Callable:
     """The step function registered as ``name``; ``ValueError`` naming ``key`` and the known names."""
-    if name not in STEPS:
-        raise ValueError(f"{key}: unknown step type '{name}'; known: {sorted(STEPS)}")
-    return STEPS[name]
+    return STEPS.get(name, key)

@@ -44,7 +44,7 @@ def tiny_export(tmp_path_factory, _cache_dir):
 
 
 def grpo_config(run_dir, export, *overrides):
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
     from pretrain.config import load_config
 
     return load_config(GRPOConfig, ROOT / "configs/grpo/emoji_tiny.yaml",
@@ -52,7 +52,7 @@ def grpo_config(run_dir, export, *overrides):
 
 
 def dpo_config(run_dir, export, *overrides):
-    from posttrain.dpo import DPOConfig
+    from posttrain.dpo.stage import DPOConfig
     from pretrain.config import load_config
 
     return load_config(DPOConfig, ROOT / "configs/dpo/emoji_tiny.yaml",

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from pretrain.backbone import Backbone
+from pretrain.registry import Registry
 import pretrain.models.flux as flux
 import pretrain.models.sd3 as sd3
 import pretrain.models.unet as unet
@@ -73,7 +74,7 @@ class Family:
         return self.adapter.from_settings(denoiser, dict(settings or {}))
 
 
-FAMILIES: dict[str, Family] = {
+FAMILIES: Registry = Registry("model family", {
     "sd3": Family(sd3.SD3Adapter, "SD3Transformer2DModel", sd3.SD3_PRESETS, sd3.build_transformer,
                   overrides=("qk_norm", "dual_attention_layers"), pipelines=(sd3.PIPELINE,), load=sd3.load),
     "wan": Family(wan.WanVideoAdapter, "WanTransformer3DModel", wan.WAN_PRESETS, wan.build, video=True,
@@ -82,7 +83,7 @@ FAMILIES: dict[str, Family] = {
     "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),
                    pipelines=("StableDiffusionPipeline", "StableDiffusionXLPipeline"), load=unet.load,
                    finalize_export=unet.finalize_export, adapter_settings=unet.preset_settings),
-}
+}, key="model.arch")
 
 
 def register_family(name: str, family: Family, replace: bool = False) -> None:
@@ -97,21 +98,17 @@ def register_family(name: str, family: Family, replace: bool = False) -> None:
         if clash:
             raise ValueError(f"model family '{name}': pipeline class(es) {clash} already belong to "
                              f"{sorted({taken[p] for p in clash})}")
-    FAMILIES[name] = family
+    FAMILIES.register(name, family, replace=True)
 
 
 def unregister_family(name: str) -> Family:
     """Remove and return the family ``name``; ``KeyError`` naming it if it is not registered."""
-    if name not in FAMILIES:
-        raise KeyError(f"model family '{name}' is not registered")
-    return FAMILIES.pop(name)
+    return FAMILIES.unregister(name)
 
 
 def arch_of(name: str) -> Family:
     """``FAMILIES[name]``; ``ValueError`` naming ``model.arch`` otherwise."""
-    if name not in FAMILIES:
-        raise ValueError(f"model.arch: unknown arch '{name}'; known: {sorted(FAMILIES)}")
-    return FAMILIES[name]
+    return FAMILIES.get(name, "model.arch")
 
 
 def pipeline_family(pipeline: str | None) -> tuple[str, Family] | None:

@@ -39,7 +39,7 @@ class RuntimeConfig:
     ``ema_decay``: 0 disables EMA; otherwise EMA weights are used for sampling and export.
     ``max_nonfinite``: consecutive non-finite steps tolerated before the run stops.
     ``max_no_signal`` (stages trained on rewards): iterations in a row in which every prompt group has
-    zero reward spread before the run stops (0 = never; :mod:`posttrain.signal_guard`).
+    zero reward spread before the run stops (0 = never; :mod:`posttrain.base.signal_guard`).
     ``spike_window`` / ``spike_zscore`` / ``spike_action``: the loss-spike detector
     (:mod:`pretrain.runtime.spikes`; window 0 = off; action ``warn`` or ``skip``).
     ``replica_check_every``: compare the data-parallel replicas' weights every N optimizer steps

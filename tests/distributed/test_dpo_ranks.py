@@ -34,7 +34,7 @@ def brightness(images, prompts=None, metadata=None):
 
 
 def _dpo(rank, world, export, run_dir):
-    from posttrain.dpo import train
+    from posttrain.dpo.stage import train
 
     cfg = dpo_config(run_dir, export, *ARGS)
     cfg.rewards = {REWARD: 1.0}

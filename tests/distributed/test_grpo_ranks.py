@@ -30,7 +30,7 @@ def brightness(images, prompts=None, metadata=None):
 
 
 def _grpo(rank, world, export, run_dir, overrides=()):
-    import posttrain.grpo as grpo
+    import posttrain.grpo.stage as grpo
     from pretrain.runtime.loop import step_once
 
     cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4", *overrides)
@@ -167,7 +167,7 @@ def brightness_some_nan(images, prompts=None, metadata=None):
 
 
 def _grpo_nan(rank, world, export, run_dir):
-    import posttrain.grpo as grpo
+    import posttrain.grpo.stage as grpo
     from pretrain.runtime.loop import step_once
 
     cfg = grpo_config(run_dir, export, "train.threads=1", "train.batch_size=16", "eval.grid_prompts=4")

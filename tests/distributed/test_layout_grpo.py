@@ -39,7 +39,7 @@ def brightness(images, prompts=None, metadata=None):
 def _grpo(rank, world, folder, run_dir, overrides):
     from pathlib import Path
 
-    import posttrain.grpo as grpo
+    import posttrain.grpo.stage as grpo
     from pretrain.runtime.loop import step_once
 
     cfg = grpo_config(run_dir, folder, *COMMON, *overrides)

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from posttrain.grpo import train as grpo_train  # noqa: E402
+from posttrain.grpo.stage import train as grpo_train  # noqa: E402
 from tests.conftest import grpo_config  # noqa: E402
 from tests.distributed.test_grpo_torchrun import _launch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The ``gpu`` perf preset's model rewrites on a real family: every block compiled and its tanh GELUs
-computed as ``x * sigmoid(2z)`` (:func:`posttrain.perf.apply_model_options`,
-:func:`posttrain.perf.compile_blocks`) give the eager model's training log-probs and LoRA gradients."""
+computed as ``x * sigmoid(2z)`` (:func:`posttrain.grpo.perf.apply_model_options`,
+:func:`posttrain.grpo.perf.compile_blocks`) give the eager model's training log-probs and LoRA gradients."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def compiled_vs_eager(model: torch.nn.Module, traj, steps: int) -> tuple[float, 
     returns (largest |log-prob difference| relative to the largest |log-prob|, largest |gradient
     difference| relative to the largest |gradient|, number of compiled blocks). ``model``: a
     :class:`pretrain.backbone.Backbone` with LoRA, in train mode; ``traj``: a rollout's trajectory batch."""
-    from posttrain.perf import PerfConfig, apply_model_options, compile_blocks, resolve_perf
+    from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_blocks, resolve_perf
 
     eager_lp, eager = _log_probs_and_grads(model, traj, steps)
     perf = resolve_perf(PerfConfig(preset="gpu"), "fp32", distributed=False)

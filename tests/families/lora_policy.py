@@ -6,10 +6,10 @@ import torch
 
 
 def perturbed_lora_policy(model: torch.nn.Module, rank: int = 4, alpha: float = 8.0, std: float = 0.05, seed: int = 0):
-    """``posttrain.policy.Policy`` with LoRA (``rank``, ``alpha``) on ``model``'s default targets, its
+    """``posttrain.base.policy.Policy`` with LoRA (``rank``, ``alpha``) on ``model``'s default targets, its
     ``lora_B`` weights drawn from N(0, ``std``^2) (seeded by ``seed``) so the policy's velocity differs
     from the reference's (peft starts with B = 0). Returns the policy."""
-    from posttrain.policy import Policy, PolicyConfig
+    from posttrain.base.policy import Policy, PolicyConfig
 
     torch.manual_seed(seed)
     policy = Policy(model, PolicyConfig(lora_rank=rank, lora_alpha=alpha))

@@ -11,7 +11,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from diffusers.loaders import PeftAdapterMixin
 
-from posttrain.grpo import train as grpo_train
+from posttrain.grpo.stage import train as grpo_train
 from pretrain.backbone import Backbone
 from pretrain.export import load_exported
 from pretrain.models import FAMILIES, Family, denoiser_blocks, register_family, unregister_family

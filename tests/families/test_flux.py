@@ -169,7 +169,7 @@ def test_gpu_preset_compiled_blocks_give_eager_log_probs_and_gradients(flux_dir,
 def test_grpo_run_exports_a_flux_pipeline_and_lora(flux_dir, tmp_path, capsys):
     from diffusers import FluxPipeline
 
-    from posttrain.grpo import train as grpo_train
+    from posttrain.grpo.stage import train as grpo_train
     from rewards.base import REGISTRY, register
 
     if "test_brightness" not in REGISTRY:
@@ -197,7 +197,7 @@ def test_grpo_run_exports_a_flux_pipeline_and_lora(flux_dir, tmp_path, capsys):
 
 
 def test_flux1_dev_config_loads(flux_dir):
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
     from pretrain.config import load_config
 
     cfg = load_config(GRPOConfig, ROOT / "configs/grpo/flux1_dev.yaml", [f"model.pretrained={flux_dir}"])

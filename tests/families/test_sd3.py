@@ -217,7 +217,7 @@ def test_gpu_preset_compiled_blocks_give_eager_log_probs_and_gradients(folder, c
 
 
 def test_sd35_medium_config_loads(folder):
-    from posttrain.grpo import GRPOConfig, iteration_shape
+    from posttrain.grpo.stage import GRPOConfig, iteration_shape
     from pretrain.config import load_config
 
     cfg = load_config(GRPOConfig, ROOT / "configs/grpo/sd35_medium.yaml", [f"model.pretrained={folder}"])
@@ -230,7 +230,7 @@ def test_sd35_medium_config_loads(folder):
 
 
 def test_grpo_iteration_exports_load_in_diffusers(folder, tmp_path, capsys):
-    from posttrain.grpo import train as grpo_train
+    from posttrain.grpo.stage import train as grpo_train
     from rewards.base import REGISTRY, register
     from tests.conftest import grpo_config
 

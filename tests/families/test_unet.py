@@ -135,7 +135,7 @@ def test_sampler_reproduces_the_pipeline(folders, name):
 def test_dpo_step_and_exports_load_in_the_pipeline(folders, name, tmp_path):
     from safetensors.torch import load_file
 
-    from posttrain.dpo import train
+    from posttrain.dpo.stage import train
     from pretrain.runtime.metrics import read_metrics
 
     folder = folders[name]
@@ -172,7 +172,7 @@ def test_dpo_step_and_exports_load_in_the_pipeline(folders, name, tmp_path):
 
 
 def test_sdxl_dpo_config_loads(folders):
-    from posttrain.dpo import DPOConfig
+    from posttrain.dpo.stage import DPOConfig
     from pretrain.config import ConfigError, load_config
 
     path = ROOT / "configs/dpo/sdxl.yaml"

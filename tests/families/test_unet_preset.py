@@ -137,7 +137,7 @@ def test_ode_sampler_is_a_ddim_loop_and_the_export_round_trips(tmp_path):
 
 
 def test_pretrain_steps_export_and_one_grpo_iteration(tmp_path):
-    from posttrain.grpo import train as grpo_train
+    from posttrain.grpo.stage import train as grpo_train
     from pretrain.runtime.metrics import read_metrics
     from pretrain.trainer import train
 

@@ -217,7 +217,7 @@ def test_grpo_iteration_exports_load_in_diffusers(wan_folder, tmp_path, capsys):
     from diffusers import WanPipeline
     from PIL import Image
 
-    from posttrain.grpo import train
+    from posttrain.grpo.stage import train
     from pretrain.runtime.metrics import read_metrics
 
     cfg = grpo_config(tmp_path, wan_folder, "model.options.num_frames=5", "model.options.image_size=16",
@@ -254,7 +254,7 @@ def test_grpo_iteration_exports_load_in_diffusers(wan_folder, tmp_path, capsys):
 
 
 def test_real_wan21_config_loads(wan_folder):
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
     from pretrain.config import ConfigError, load_config
     from pretrain.models.wan.codec import check_num_frames
 

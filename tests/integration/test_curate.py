@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from posttrain.curate import CurateConfig, FilterRule, apply_filters, curate, near_pairs
-from posttrain.train_reward import _NoEmbeds
+from posttrain.curate.stage import CurateConfig, FilterRule, apply_filters, curate, near_pairs
+from pretrain.text_encoder import NoTextEmbeds
 from pretrain.config import ConfigError, load_config
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.data.emoji import is_heldout
@@ -152,7 +152,7 @@ def test_the_output_reads_back_as_a_folder_dataset_with_the_report(tmp_path, cap
     assert "| r1 | total >= 8 | 24 | 16 | 8 | 0 |" in report and "held-out split (1 samples) was left out" in report
 
     train, held = build_datasets(DataConfig(source="folder", path=str(root / "data"), size=32, heldout_fraction=0.3),
-                                 _NoEmbeds())
+                                 NoTextEmbeds())
     back = dict(zip(train.captions + held.captions, torch.cat([train.images, held.images])))
     assert sorted(back) == sorted(captions[8:]) and len(held) > 0
     for k in range(8, 24):

@@ -4,8 +4,8 @@ advantage tracking, whose buffers are checkpointed so a resumed run is the unint
 import pytest
 import torch
 
-from posttrain.grpo import train as grpo_train
-from posttrain.parts.registry import ADVANTAGES
+from posttrain.grpo.stage import train as grpo_train
+from posttrain.grpo.parts.registry import ADVANTAGES
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import grpo_config
 

@@ -8,10 +8,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from posttrain import dpo as dpo_mod
-from posttrain.dpo import train as dpo_train
-from posttrain.dpo_data import load_preference_pairs
-from posttrain.evaluate import EvalConfig, evaluate, paired_stats
-from posttrain.policy import Policy
+from posttrain.dpo.stage import train as dpo_train
+from posttrain.dpo.data import load_preference_pairs
+from posttrain.eval.evaluate import EvalConfig, evaluate, paired_stats
+from posttrain.base.policy import Policy
 from pretrain.data.dataset import DataConfig, load_openmoji
 from pretrain.data.folder import DatasetError
 from pretrain.runtime.metrics import read_metrics
@@ -121,10 +121,10 @@ def test_offline_dpo_raises_heldout_implicit_accuracy(tiny_export, tmp_path, cap
 def test_winner_equal_to_loser_gives_zero_inside_term(tiny_export, tmp_path):
     """Winner and loser share noise, sigma and prompt: identical images give inside == 0 exactly,
     even for a policy that differs from its reference."""
-    from posttrain.dpo import DPOLossConfig, pair_errors
-    from posttrain.dpo_data import PairSet
-    from posttrain.dpo_loss import dpo_inside_term
-    from posttrain.policy import PolicyConfig
+    from posttrain.dpo.stage import DPOLossConfig, pair_errors
+    from posttrain.dpo.data import PairSet
+    from posttrain.objectives.dpo_loss import dpo_inside_term
+    from posttrain.base.policy import PolicyConfig
     from pretrain.export import load_exported
 
     model, encoder, codec, _ = load_exported(tiny_export)

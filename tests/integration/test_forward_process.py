@@ -4,7 +4,7 @@ the old copy of DiffusionNFT checkpointed with the run, the checks naming their 
 import pytest
 import torch
 
-from posttrain.grpo import train as grpo_train
+from posttrain.grpo.stage import train as grpo_train
 from pretrain.config import ConfigError
 from pretrain.runtime.metrics import read_metrics
 from rollout.config import RolloutConfig

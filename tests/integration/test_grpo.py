@@ -2,9 +2,9 @@
 
 import torch
 
-from posttrain.grpo import train as grpo_train
-from posttrain.grpo_update import GRPOAlgorithmConfig, GRPOUpdate
-from posttrain.policy import Policy, PolicyConfig
+from posttrain.grpo.stage import train as grpo_train
+from posttrain.grpo.update import GRPOAlgorithmConfig, GRPOUpdate
+from posttrain.base.policy import Policy, PolicyConfig
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.export import load_exported
 from pretrain.runtime.config import OptimConfig, RuntimeConfig

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.grpo import train as grpo_train
-from posttrain.guard import LOSS, Guard, GuardConfig, group_diversity
+from posttrain.grpo.stage import train as grpo_train
+from posttrain.base.guard import LOSS, Guard, GuardConfig, group_diversity
 from pretrain.runtime.metrics import read_metrics
 from rewards.base import REGISTRY, register
 from tests.conftest import grpo_config
@@ -110,7 +110,7 @@ def test_export_best_is_the_check_the_guard_chose(tiny_export, tmp_path):
 
 
 def test_online_dpo_runs_the_same_guard(tiny_export, tmp_path):
-    from posttrain.dpo import train as dpo_train
+    from posttrain.dpo.stage import train as dpo_train
     from tests.conftest import dpo_config
 
     dpo_train(dpo_config(tmp_path, tiny_export, "guard.every=5", *PROBE))  # 5 steps

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from posttrain.dpo import train as dpo_train
-from posttrain.grpo import train as grpo_train
+from posttrain.dpo.stage import train as dpo_train
+from posttrain.grpo.stage import train as grpo_train
 from pretrain.runtime.metrics import read_metrics
 from pretrain.trainer import train
 from tests.conftest import dpo_config, grpo_config, tiny_config

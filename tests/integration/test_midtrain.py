@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from posttrain.midtrain import MidtrainConfig, train
+from posttrain.midtrain.stage import MidtrainConfig, train
 from pretrain.config import ConfigError, load_config
 from pretrain.data.dataset import DataConfig, build_datasets, load_openmoji
 from pretrain.evaluation import heldout_loss

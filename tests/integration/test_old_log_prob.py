@@ -4,7 +4,7 @@ for an fp32 update), and what it costs."""
 
 import pytest
 
-from posttrain.grpo import GRPORun
+from posttrain.grpo.stage import GRPORun
 from tests.conftest import grpo_config
 
 

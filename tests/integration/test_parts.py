@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from posttrain.grpo import train as grpo_train
-from posttrain.parts.registry import ADVANTAGES
+from posttrain.grpo.stage import train as grpo_train
+from posttrain.grpo.parts.registry import ADVANTAGES
 from pretrain.config import ConfigError
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import grpo_config

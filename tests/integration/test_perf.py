@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from posttrain.grpo import train as grpo_train
-from posttrain.grpo_update import GRPOAlgorithmConfig, GRPOUpdate, transition_loss
-from posttrain.parts.ppo_clip_kl import PPOClipKL
-from posttrain.perf import PerfConfig
+from posttrain.grpo.stage import train as grpo_train
+from posttrain.grpo.update import GRPOAlgorithmConfig, GRPOUpdate, transition_loss
+from posttrain.grpo.parts.ppo_clip_kl import PPOClipKL
+from posttrain.grpo.perf import PerfConfig
 from rollout.branches import CFGBranches
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.runtime import Runtime
@@ -63,7 +63,7 @@ def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
 
 
 def test_compiled_blocks_with_sigmoid_gelu_give_the_plain_steps_loss_and_gradients(tiny_export):
-    from posttrain.perf import apply_model_options, compile_blocks, resolve_perf
+    from posttrain.grpo.perf import apply_model_options, compile_blocks, resolve_perf
 
     model, codec, train, null, policy, meta = _setup(tiny_export)
     traj = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=4, record_uncond=True)
@@ -84,7 +84,7 @@ def test_compiled_blocks_with_sigmoid_gelu_give_the_plain_steps_loss_and_gradien
 
 
 def test_cpu_preset_reaches_the_run(tiny_export, tmp_path):
-    from posttrain.grpo import GRPORun
+    from posttrain.grpo.stage import GRPORun
 
     run = GRPORun(grpo_config(tmp_path, tiny_export, "perf.preset=cpu", "train.steps=1", "data.limit=8"))
     blocks = run.st.model.blocks()
@@ -96,8 +96,8 @@ def test_cpu_preset_reaches_the_run(tiny_export, tmp_path):
 
 
 def test_a_rollout_worker_takes_the_trainers_module_rewrites_and_compiled_layout(tiny_export, tmp_path):
-    from posttrain.engines.worker import RolloutWorker
-    from posttrain.perf import resolve_perf
+    from posttrain.grpo.engines.worker import RolloutWorker
+    from posttrain.grpo.perf import resolve_perf
 
     cfg = grpo_config(tmp_path, tiny_export, "perf.compile=true", "train.steps=1", "data.limit=8")
     perf = resolve_perf(cfg.perf, cfg.train.precision, False)
@@ -137,7 +137,7 @@ def test_rollout_uncond_velocities_give_the_plain_steps_loss_and_gradients(tiny_
 
 
 def test_rollout_uncond_is_reused_only_before_the_first_optimizer_step(tiny_export, monkeypatch):
-    import posttrain.grpo_update as update
+    import posttrain.grpo.update as update
 
     model, codec, train, null, policy, meta = _setup(tiny_export)
     traj = _rollout(model, codec, train, null, meta, n_prompts=3, group=2, batch=4, record_uncond=True)
@@ -269,7 +269,7 @@ def test_async_scoring_overlaps_the_callers_work():
 def test_settings_that_cannot_hold_are_refused_never_rewritten(tiny_export, tmp_path):
     import pytest
 
-    from posttrain.perf import resolve_perf
+    from posttrain.grpo.perf import resolve_perf
     from pretrain.config import ConfigError
     from tests.conftest import dpo_config
 

@@ -3,7 +3,7 @@
 import yaml
 
 from posttrain.cli import main
-from posttrain.evaluate import EvalConfig, evaluate
+from posttrain.eval.evaluate import EvalConfig, evaluate
 from tests.conftest import ROOT
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from posttrain.cli import main
-from posttrain.evaluate import report_table
-from posttrain.report import write_report
-from posttrain.report_plots import grid_cells
+from posttrain.eval.evaluate import report_table
+from posttrain.eval.report import write_report
+from posttrain.eval.plots import grid_cells
 from pretrain.sampling import save_grid
 
 NAN = "nan"

@@ -10,8 +10,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from posttrain.engines.weight_sync import WeightPacket, WeightSyncError  # noqa: E402
-from posttrain.grpo import GRPORun  # noqa: E402
+from posttrain.grpo.engines.weight_sync import WeightPacket, WeightSyncError  # noqa: E402
+from posttrain.grpo.stage import GRPORun  # noqa: E402
 from pretrain.runtime.loop import run_stage  # noqa: E402
 from pretrain.runtime.metrics import read_metrics  # noqa: E402
 from tests.conftest import grpo_config  # noqa: E402
@@ -21,7 +21,7 @@ RAY = ("rollout.engine=ray", "rollout.workers=2", "train.threads=1", "eval.grid_
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from posttrain.engines.ray_pool import start_ray
+    from posttrain.grpo.engines.ray_pool import start_ray
 
     started = start_ray(None, 4)
     yield

@@ -80,7 +80,7 @@ def test_ratio_is_one_before_any_update_for_every_step_type(tiny_export, step):
 
 
 def test_grpo_trains_with_the_cps_step(tiny_export, tmp_path):
-    from posttrain.grpo import train as grpo_train
+    from posttrain.grpo.stage import train as grpo_train
     from pretrain.runtime.metrics import read_metrics
     from tests.conftest import grpo_config
 
@@ -135,7 +135,7 @@ def test_window_modes_move_as_configured():
 
 
 def test_a_window_covering_every_transition_is_plain_flow_grpo(tiny_export, tmp_path):
-    from posttrain.grpo import train as grpo_train
+    from posttrain.grpo.stage import train as grpo_train
     from pretrain.runtime.metrics import read_metrics
     from tests.conftest import grpo_config
 

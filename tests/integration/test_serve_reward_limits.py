@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmarks.serve_reward_load import b64, blank_png, exchange, http_request, score_body
-from posttrain.serve_reward import Limits, RewardServer, is_loopback
+from posttrain.tools.serve_reward import Limits, RewardServer, is_loopback
 from pretrain.config import ConfigError
 from rewards.base import CompositeReward
 from rewards.png import encode_png_b64, quantise

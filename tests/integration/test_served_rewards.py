@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from posttrain.serve_reward import RewardServer
+from posttrain.tools.serve_reward import RewardServer
 from rewards.base import CompositeReward
 from rewards.jpeg import JpegIncompressibility
 from rewards.png import encode_png_b64, quantise

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from posttrain import sweep as sweep_mod
-from posttrain.sweep import SweepConfig, read_rows, run_sweep
-from posttrain.sweep_report import mean_se, time_to
+from posttrain.tools.sweep import run_sweep
+from posttrain.tools.sweep_config import SweepConfig, read_rows
+from posttrain.tools.sweep_report import mean_se, time_to
 from pretrain.config import ConfigError, load_config
 from tests.conftest import ROOT
 

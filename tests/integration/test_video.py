@@ -4,8 +4,8 @@ with video rewards (ratio == 1 for video rollouts; one run end to end)."""
 import pytest
 import torch
 
-from posttrain.grpo import train as grpo_train
-from posttrain.policy import Policy, PolicyConfig
+from posttrain.grpo.stage import train as grpo_train
+from posttrain.base.policy import Policy, PolicyConfig
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.export import load_exported
 from pretrain.runtime.metrics import read_metrics

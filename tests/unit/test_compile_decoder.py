@@ -3,7 +3,7 @@ to float rounding; codecs without a VAE decoder are left alone."""
 
 import torch
 
-from posttrain.perf import PerfConfig, compile_decoder, resolve_perf
+from posttrain.grpo.perf import PerfConfig, compile_decoder, resolve_perf
 from pretrain.codec import PatchifyCodec, VAECodec
 
 

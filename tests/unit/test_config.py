@@ -41,7 +41,7 @@ def test_bad_override_names_the_key(capsys):
 def test_every_shipped_config_loads(tmp_path):
     from posttrain.pipeline import PipelineConfig
     from posttrain.stages import get_stage
-    from posttrain.train_reward import TrainRewardConfig
+    from posttrain.tools.train_reward import TrainRewardConfig
     from pretrain.config import load_config
 
     bench_data = tmp_path / "data"  # what the benchmark writes before loading its config
@@ -59,7 +59,7 @@ def test_every_shipped_config_loads(tmp_path):
         if folder == "reward":  # `posttrain train-reward` configs
             schema = TrainRewardConfig
         elif folder == "sweep":  # `posttrain sweep` configs: the file and every arm's config under every task
-            from posttrain.sweep import SweepConfig, arm_config
+            from posttrain.tools.sweep_config import SweepConfig, arm_config
 
             cfg = load_config(SweepConfig, path)
             for task in cfg.tasks:
@@ -106,8 +106,8 @@ def test_grpo_config_errors_exit_2_before_any_work(capsys, override, key):
 
 
 def _schema_and_config(command):
-    from posttrain.dpo import DPOConfig
-    from posttrain.grpo import GRPOConfig
+    from posttrain.dpo.stage import DPOConfig
+    from posttrain.grpo.stage import GRPOConfig
     from pretrain.trainer import PretrainConfig
 
     return {"pretrain": (PretrainConfig, TINY, []),
@@ -234,7 +234,7 @@ def test_command_line_override_indexes_a_list_of_stages():
 
 
 def test_command_line_override_keeps_interpolations_and_names_bad_yaml():
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
     from pretrain.config import load_config
 
     cfg = load_config(GRPOConfig, GRPO_TINY, ["model.pretrained=/x", "run_dir=${model.pretrained}/grpo_run"])

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from posttrain.dpo_errors import eps_errors
-from posttrain.dpo_loss import diffusion_dpo_loss, dpo_inside_term
+from posttrain.dpo.errors import eps_errors
+from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 
 
 def test_inside_term_and_sigmoid_loss_by_hand():

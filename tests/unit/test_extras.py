@@ -11,7 +11,7 @@ PROBE = f"""
 import sys
 for name in {OPTIONAL!r}:
     sys.modules[name] = None  # importing it now raises ImportError, as when it is not installed
-import posttrain.cli, posttrain.grpo, posttrain.dpo, pretrain.trainer, posttrain.evaluate
+import posttrain.cli, posttrain.grpo.stage, posttrain.dpo.stage, pretrain.trainer, posttrain.eval.evaluate
 from rewards.base import CompositeReward
 CompositeReward({{"jpeg_compressibility": 1.0}})
 from pretrain.extras import MissingExtra, require

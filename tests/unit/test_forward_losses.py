@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from posttrain.forward_losses import awm_loss, dgpo_loss, nft_loss, nft_optimality
+from posttrain.objectives.forward_losses import awm_loss, dgpo_loss, nft_loss, nft_optimality
 from pretrain.flow import euler_step, flow_matching_loss, interpolate
 from pretrain.objective import pretrain_loss
 from pretrain.text_encoder import PromptEmbeds

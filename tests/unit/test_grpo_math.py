@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from posttrain.advantages import group_advantages, per_reward_advantages
-from posttrain.evaluate import paired_stats
-from posttrain.losses import kl_to_reference, ppo_clip_loss
+from posttrain.objectives.advantages import group_advantages, per_reward_advantages
+from posttrain.eval.evaluate import paired_stats
+from posttrain.objectives.ppo import kl_to_reference, ppo_clip_loss
 from rewards.base import CompositeReward, weighted_sum
 from rewards.jpeg import jpeg_size_kb
 from rollout.trajectory import train_timesteps
@@ -127,7 +127,7 @@ def test_per_reward_advantages_are_scale_free_and_skip_nan():
 
 
 def test_best_of_n_keeps_the_best_and_worst_k_of_each_group():
-    from posttrain.parts.registry import SELECTIONS
+    from posttrain.grpo.parts.registry import SELECTIONS
 
     sel = SELECTIONS.build({"name": "best_of_n", "k": 1}, "grpo.selection")
     total = torch.tensor([0.3, 0.9, 0.1, 0.5, float("nan"), 2.0, 1.0, 1.5])
@@ -148,7 +148,7 @@ def test_best_of_n_keeps_the_best_and_worst_k_of_each_group():
 def test_the_kl_uses_the_std_the_noise_is_drawn_with(step):
     """The policy loss's KL is the exact per-element KL of the two Gaussian transitions: the std is the
     step's own noise std (std_dev_t * sqrt(|dt|) for the SDE), the one its log-prob uses."""
-    from posttrain.parts.ppo_clip_kl import PPOClipKL
+    from posttrain.grpo.parts.ppo_clip_kl import PPOClipKL
     from rollout.steps import get_step
 
     g = torch.Generator().manual_seed(0)

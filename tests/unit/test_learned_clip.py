@@ -102,10 +102,10 @@ def test_contrastive_score_is_the_log_softmax_over_prompt_and_bank(saved, tmp_pa
 
 def test_train_half_splits_disjointly():
     from pretrain.data.dataset import DataConfig, build_datasets
-    from posttrain.train_reward import _NoEmbeds
+    from pretrain.text_encoder import NoTextEmbeds
 
-    halves = [build_datasets(DataConfig(train_half=h), _NoEmbeds()) for h in (0, 1)]
-    full, held = build_datasets(DataConfig(), _NoEmbeds())
+    halves = [build_datasets(DataConfig(train_half=h), NoTextEmbeds()) for h in (0, 1)]
+    full, held = build_datasets(DataConfig(), NoTextEmbeds())
     a, b = (set(t.captions) for t, _ in halves)
     assert not a & b and a | b == set(full.captions)
     assert 0.4 < len(a) / len(full) < 0.6
@@ -113,7 +113,7 @@ def test_train_half_splits_disjointly():
 
 
 def test_eval_reward_entries_take_a_path():
-    from posttrain.evaluate import EvalConfig, parse_eval_reward
+    from posttrain.eval.evaluate import EvalConfig, parse_eval_reward
 
     assert parse_eval_reward("learned_clip@runs/x/model") == ("learned_clip", {"path": "runs/x/model"})
     assert parse_eval_reward("jpeg_compressibility") == ("jpeg_compressibility", {})

@@ -3,7 +3,7 @@
 
 import pytest
 
-from posttrain.perf import PRESETS, PerfConfig, resolve_perf
+from posttrain.grpo.perf import PRESETS, PerfConfig, resolve_perf
 from pretrain.config import ConfigError
 
 
@@ -21,7 +21,7 @@ def test_presets_set_their_options_and_explicit_values_win():
 
 
 def test_unknown_preset_is_a_config_error_naming_the_key(tmp_path):
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
     from pretrain.config import load_config
 
     with pytest.raises(ConfigError, match=r"perf\.preset: unknown 'laptop'; known: none, cpu, gpu, gpu_small"):
@@ -39,7 +39,7 @@ def test_a_value_equal_to_the_default_still_wins_over_the_preset():
 
 
 def test_the_preset_override_reaches_the_config_from_the_command_line(tmp_path):
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
     from pretrain.config import load_config
 
     cfg = load_config(GRPOConfig, None, [f"run_dir={tmp_path}", "model.pretrained=x", "perf.preset=cpu",

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from posttrain.engines.ray_pool import check_reachable
+from posttrain.grpo.engines.ray_pool import check_reachable
 
 
 def test_an_unreachable_ray_address_is_refused_naming_the_key():

@@ -112,7 +112,7 @@ def check_posttrain(where: str, args: list[str]) -> None:
         assert cfg.stages, f"{where}: {parsed.config} has no stages"
         plan(cfg)  # as run_pipeline validates every stage before training
     elif parsed.command == "sweep":
-        from posttrain.sweep import SweepConfig, arm_config
+        from posttrain.tools.sweep_config import SweepConfig, arm_config
 
         cfg = load_config(SweepConfig, parsed.config, list(parsed.overrides))
         tasks, arms = cfg.selected()
@@ -120,15 +120,15 @@ def check_posttrain(where: str, args: list[str]) -> None:
             for arm in arms:
                 arm_config(cfg, task, arm, cfg.seeds[0])
     elif parsed.command == "train-reward":
-        from posttrain.train_reward import TrainRewardConfig
+        from posttrain.tools.train_reward import TrainRewardConfig
 
         load_config(TrainRewardConfig, parsed.config, list(parsed.overrides))
     elif parsed.command == "serve-reward":
-        from posttrain.serve_reward import load_reward
+        from posttrain.tools.serve_reward import load_reward
 
         load_reward(parsed.config)
     elif parsed.command == "eval":
-        from posttrain.evaluate import EvalConfig
+        from posttrain.eval.evaluate import EvalConfig
         from pretrain.config import validate
 
         validate(EvalConfig(rewards=parsed.rewards, prompts=parsed.prompts, num_prompts=parsed.num_prompts,

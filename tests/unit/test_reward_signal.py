@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.advantages import group_advantages, has_spread, per_reward_advantages
-from posttrain.parts.per_prompt_advantage import PerPromptAdvantage
-from posttrain.signal_guard import NoSignalError, SignalGuard
+from posttrain.objectives.advantages import group_advantages, has_spread, per_reward_advantages
+from posttrain.grpo.parts.per_prompt_advantage import PerPromptAdvantage
+from posttrain.base.signal_guard import NoSignalError, SignalGuard
 from rewards.base import weighted_sum
 
 

@@ -129,7 +129,7 @@ def test_zero_weights_are_not_built_and_all_zero_is_an_error(user_pkg):
 
 def test_grpo_config_takes_the_mapping_form(tmp_path, user_pkg):
     from pretrain.config import ConfigError, load_config
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
 
     path = tmp_path / "g.yaml"
     path.write_text(f"model: {{pretrained: {tmp_path}}}\n"

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from posttrain.engines.weight_sync import WeightPacket, WeightSyncError
-from posttrain.grpo_update import transition_loss
-from posttrain.parts.ppo_clip_kl import PPOClipKL
-from posttrain.rollout_correction import CorrectionConfig, correction_weights, staleness_stats
+from posttrain.grpo.engines.weight_sync import WeightPacket, WeightSyncError
+from posttrain.grpo.update import transition_loss
+from posttrain.grpo.parts.ppo_clip_kl import PPOClipKL
+from posttrain.objectives.rollout_correction import CorrectionConfig, correction_weights, staleness_stats
 from rollout.branches import CFGBranches
 from rollout.sampler import log_prob
 from tests.integration.test_grpo import _rollout, _setup

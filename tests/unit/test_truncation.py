@@ -15,7 +15,7 @@ import torch
 
 from rewards import truncation
 from rewards.base import CompositeReward, build_reward
-from rewards.truncation import TruncationCounter, fractions, hf_token_counts, take_truncation_counts
+from pretrain.truncation import TruncationCounter, fractions, hf_token_counts, take_truncation_counts
 from tests.unit.tiny_reward_models import bert_tokenizer_dir, sample_images, save_tiny_clip, tiny_clip_tokenizer
 
 PHRASE = "a watercolor painting of a small red fox sitting in a snowy birch forest at dawn"
@@ -32,13 +32,13 @@ def fresh_warnings(monkeypatch):
 
 def warnings_about(caplog, name: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "rewards.truncation" and r.getMessage().startswith(f"{name} truncates")]
+            if r.name == "pretrain.truncation" and r.getMessage().startswith(f"{name} truncates")]
 
 
 def check_counts_and_one_warning(call, counter: TruncationCounter, name: str, limit: int, caplog) -> None:
     """``call(prompts)`` runs the model on 2 prompts; its counter says 1.0, 0.5, 0.0 for 2, 1, 0 long
     prompts, and one warning (naming ``name``, ``limit`` and the first long prompt) is logged in all."""
-    caplog.set_level(logging.WARNING, logger="rewards.truncation")
+    caplog.set_level(logging.WARNING, logger="pretrain.truncation")
     assert counter.name == name and counter.limit == limit
     for _ in range(2):
         call([LONG_A, LONG_B])
@@ -176,7 +176,7 @@ def test_counts_per_iteration_for_the_trainer(learned_clip_dir, clip_dir):
 
 
 def test_counter_checks_its_input(caplog):
-    caplog.set_level(logging.WARNING, logger="rewards.truncation")
+    caplog.set_level(logging.WARNING, logger="pretrain.truncation")
     c = TruncationCounter("toy", 4)
     assert math.isnan(c.last_fraction)  # before any call
     assert c.check(["a b c", "a b c d e f"], [5, 8]) == 1.0

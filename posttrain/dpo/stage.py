@@ -1,0 +1,351 @@
+"""`posttrain dpo`: Diffusion-DPO (Wallace et al. 2023) for flow-matching models on the shared runtime.
+
+Pairs come from a local Pick-a-Pic-schema dataset (``source: offline``) or from the current policy
+(``source: online``: K samples per prompt, scored, best vs worst above a margin, re-sampled every
+``online.resample_every`` steps). Each step draws one (noise, sigma) per pair, shared by winner and
+loser, and applies :func:`posttrain.objectives.dpo_loss.diffusion_dpo_loss` on velocity errors.
+
+Under ``torchrun`` it is one job: the policy (and a full fine-tuning reference) is FSDP2-sharded,
+``train.batch_size`` is the global number of pairs per micro-batch and each data-parallel rank trains
+its contiguous share (pair noise keyed by the global pair index, so N ranks train what one process
+trains). Online rounds are sampled and scored identically on every rank (the same prompts and seeds:
+every rank holds the whole pair set, no gather), then sliced like offline pairs; rank 0 logs and writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.config import require_positive
+
+from posttrain.dpo.data import PairSet, load_preference_pairs, online_pairs
+from posttrain.dpo.errors import flow_errors
+from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term
+from pretrain.runtime.loop import run_stage
+from posttrain.base.guard import Guard, guard_shape
+from posttrain.grpo.perf import PerfConfig, compile_blocks
+from posttrain.base.policy import Policy
+from posttrain.base.stage import PolicyStage, StageRanks
+from posttrain.base.stage_config import StageConfig
+from pretrain.data.dataset import EpochSampler
+from pretrain.models import count_parameters
+from pretrain.guidance import drop_condition
+from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas
+from pretrain.runtime.metrics import MetricsLogger
+from pretrain.runtime.profiling import StepProfiler
+from pretrain.runtime.runtime import Runtime
+from pretrain.text_encoder import PromptEmbeds
+from rewards.base import CompositeReward, check_reward_weights
+
+
+@dataclass
+class DPOLossConfig:
+    """``beta`` on velocity errors (``error_space: velocity``, default 750) or on noise-equivalent errors
+    (``error_space: noise``: each velocity error is multiplied by (1 - sigma)^2, which is exactly the
+    noise error of the same prediction since eps - eps_hat = (1 - sigma)(v - v_hat), so betas published
+    for epsilon-prediction models, 2500 - 5000, apply as they are). The 750 default is that conversion
+    on average: E[(1 - sigma)^2] is about 0.3 under logit-normal(0, 1) sigmas and 2500 x 0.3 = 750; it
+    weights sigmas differently from noise-space DPO and depends on the data's scale, so treat it as a
+    starting point. ``loss_type``: sigmoid | hinge | ipo. ``flow``: the sigma distribution used to noise
+    pairs (logit-normal, as in pretraining; ``flow.objective: epsilon`` draws timesteps uniform over an
+    epsilon-prediction model's training timesteps instead, as Diffusion-DPO does for SD; only the draw:
+    the errors are those of ``error_space``) and ``flow.cond_dropout``, the share of pairs trained on the
+    empty prompt (the reference code uses 0.2; default 0 here)."""
+
+    beta: float = 750.0
+    loss_type: str = "sigmoid"
+    error_space: str = "velocity"
+    flow: FlowConfig = field(default_factory=lambda: FlowConfig(cond_dropout=0.0))
+
+    def validate(self, prefix: str = "") -> None:
+        from posttrain.objectives.dpo_loss import PAIR_LOSSES
+
+        if self.beta <= 0:
+            raise ValueError(f"{prefix}beta: must be > 0, got {self.beta}")
+        if self.loss_type not in PAIR_LOSSES:
+            raise ValueError(f"{prefix}loss_type: '{self.loss_type}' is not one of {sorted(PAIR_LOSSES)}")
+        if self.error_space not in ("velocity", "noise"):
+            raise ValueError(f"{prefix}error_space: '{self.error_space}' is not one of velocity, noise")
+
+
+@dataclass
+class OfflineConfig:
+    """``path``: parquet file, jsonl file, or a folder with ``*.parquet`` or ``pairs.jsonl``;
+    ``ties``: "drop" or "half"; ``heldout_fraction`` of pairs kept aside for implicit accuracy."""
+
+    path: str | None = None
+    ties: str = "drop"
+    limit: int | None = None
+    heldout_fraction: float = 0.1
+
+    def validate(self, prefix: str = "") -> None:
+        if self.ties not in ("drop", "half"):
+            raise ValueError(f"{prefix}ties: '{self.ties}' is not one of drop, half")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"{prefix}heldout_fraction: must be in [0, 1), got {self.heldout_fraction}")
+
+
+@dataclass
+class OnlineConfig:
+    """``prompts_per_round`` train prompts x ``samples_per_prompt`` ODE samples every
+    ``resample_every`` steps; a pair is kept when best - worst reward > ``margin``."""
+
+    prompts_per_round: int = 32
+    samples_per_prompt: int = 4
+    margin: float = 0.0
+    resample_every: int = 10
+    num_inference_steps: int = 10
+    guidance_scale: float = 4.0
+
+    def validate(self, prefix: str = "") -> None:
+        require_positive(self, prefix, "prompts_per_round", "resample_every", "num_inference_steps")
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"{prefix}samples_per_prompt: must be >= 2 to form a pair")
+        if self.margin < 0:
+            raise ValueError(f"{prefix}margin: must be >= 0 (a pair needs a reward gap above it)")
+
+
+@dataclass
+class DPOConfig(StageConfig):
+    """`posttrain dpo` config (the shared blocks: :class:`posttrain.base.stage_config.StageConfig`). A step
+    is one optimizer step: ``train.steps``, ``checkpoint.every``, ``eval.every`` (held-out implicit
+    accuracy of offline pairs), the metrics ``step`` and the checkpoint folders count them.
+    ``train.batch_size``: pairs per micro-batch, global (split over the data-parallel ranks under
+    ``torchrun``). ``perf``: only ``compile`` applies. Outputs go to ``<run_dir>/dpo/``."""
+
+    run_dir: str = "runs/dpo"
+    source: str = "online"
+    dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
+    offline: OfflineConfig = field(default_factory=OfflineConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    rewards: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        default = PerfConfig()
+        for f in fields(PerfConfig):
+            value = getattr(self.perf, f.name)
+            if f.name == "merge_lora" and not value:  # unset or off: nothing to honour
+                continue
+            if f.name != "compile" and value != getattr(default, f.name):
+                raise ValueError(f"perf.{f.name}: not used by dpo (only perf.compile applies); remove it")
+        if self.source not in ("online", "offline"):
+            raise ValueError(f"source: '{self.source}' is not one of online, offline")
+        if self.source == "offline" and not self.offline.path:
+            raise ValueError("offline.path: required when source is 'offline'")
+        if self.source == "online":
+            check_reward_weights(self.rewards)
+            for key, value in (("checkpoint.every", self.checkpoint.every), ("train.steps", self.train.steps)):
+                if value % self.online.resample_every:
+                    raise ValueError(f"{key}: must be a multiple of online.resample_every (pairs are re-sampled "
+                                     f"from the model at round boundaries, which is what a resume reproduces)")
+
+
+def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int, step: int,
+                offset: int, device, stream: str = "train", reference=None):
+    """Per-pair errors (e_w, e_l) ``[P]`` of ``model`` (and of ``reference`` when given). Pair i's
+    (noise, sigma, prompt dropout) is keyed by (seed, stream, step, offset + i) and shared by its
+    winner and loser; with ``error_space: noise`` errors are scaled by (1 - sigma)^2."""
+    p = len(pairs)
+    x0 = codec.encode(torch.cat([pairs.images_w, pairs.images_l]).to(device))
+    table = objective_sigmas(model, cfg.flow, "dpo.flow.objective")
+    noise, sigma, drop = draw_training_noise(x0[:p], seed, step, range(offset, offset + p), cfg.flow, stream=stream,
+                                             train_sigmas=table)
+    noise, sigma, drop = torch.cat([noise, noise]), torch.cat([sigma, sigma]), torch.cat([drop, drop])
+    embeds = drop_condition(PromptEmbeds.cat([pairs.embeds, pairs.embeds]).to(device), null, drop)
+    scale = (1 - sigma) ** 2 if cfg.error_space == "noise" else torch.ones_like(sigma)
+    out = []
+    for m in (model, reference):
+        if m is None:
+            continue
+        err = flow_errors(m, x0, embeds, noise, sigma) * scale
+        out.append((err[:p], err[p:]))
+    return out
+
+
+def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int, step: int,
+              offset: int, device):
+    """DPO loss of one micro-batch of pairs (see :func:`pair_errors`). Returns (float32 loss, stats)."""
+    draw = dict(seed=seed, step=step, offset=offset, device=device)
+    (ew, el), = pair_errors(policy.model, codec, pairs, cfg, null, **draw)
+    with torch.no_grad(), policy.reference() as ref:
+        (rw, rl), = pair_errors(ref, codec, pairs, cfg, null, **draw)
+    return diffusion_dpo_loss(ew, el, rw, rl, cfg.beta, cfg.loss_type, pairs.pref.to(device))
+
+
+@torch.no_grad()
+def implicit_accuracy(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int,
+                      device, batch: int = 64) -> float:
+    """Share of non-tie ``pairs`` whose inside term is > 0 (== 0 counts 0.5), with a fixed (noise,
+    sigma) per pair (stream "eval"), so the number is comparable across steps."""
+    hits, count = 0.0, 0
+    for s in range(0, len(pairs), batch):
+        sub = pairs.select(list(range(s, min(len(pairs), s + batch))))
+        draw = dict(seed=seed, step=0, offset=s, device=device, stream="eval")
+        (ew, el), = pair_errors(policy.model, codec, sub, cfg, null, **draw)
+        with policy.reference() as ref:
+            (rw, rl), = pair_errors(ref, codec, sub, cfg, null, **draw)
+        inside = dpo_inside_term(ew, el, rw, rl, cfg.beta)
+        strict = sub.pref.to(device) != 0.5
+        hits += float(((inside > 0).float() + 0.5 * (inside == 0).float())[strict].sum())
+        count += int(strict.sum())
+    return hits / count if count else 0.5
+
+
+def dpo_step(policy: Policy, rt: Runtime, codec, pairs: PairSet, sampler: EpochSampler, *, cfg: DPOConfig,
+             null: PromptEmbeds, step: int, device, ranks: StageRanks | None = None) -> dict:
+    """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` pairs;
+    every rank draws the same pair indices and trains its ``ranks.share``. ``loss`` and the pair stats
+    are averaged over the data-parallel ranks (the global mean: equal shares)."""
+    b, accum = cfg.train.batch_size, cfg.train.grad_accum
+    lo, hi = ranks.share(b) if ranks else (0, b)
+    policy.model.train()
+    loss_sum, stats_sum = 0.0, {}
+    for micro in range(accum):
+        with rt.autocast():
+            loss, stats = pair_loss(policy, codec, pairs.select(sampler.next(b)[lo:hi]), cfg.dpo, null,
+                                    seed=cfg.train.seed, step=step, offset=micro * b + lo, device=device)
+        rt.backward(loss)
+        loss_sum += loss.item() / accum
+        for k, v in stats.items():
+            stats_sum[k] = stats_sum.get(k, 0.0) + v / accum
+    if ranks:  # every rank's guard must see the same loss
+        keys = sorted(stats_sum)
+        loss_sum, *values = ranks.mean([loss_sum, *(stats_sum[k] for k in keys)])
+        stats_sum = dict(zip(keys, values))
+    return {"loss": loss_sum, **stats_sum, **rt.optimizer_step(loss_sum)}
+
+
+def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet | None]:
+    """Train / held-out split of the offline pairs by a hash of the caption (pairs sharing a caption
+    stay on one side); held-out is None when ``offline.heldout_fraction`` is 0."""
+    from pretrain.data.emoji import is_heldout
+
+    w, lo, caps, pref, _ = load_preference_pairs(cfg.offline.path, size, cfg.offline.ties, cfg.offline.limit)
+    pairs = PairSet(w.float() / 255, lo.float() / 255, caps, encoder.encode(caps), pref)
+    held = [is_heldout(c, cfg.offline.heldout_fraction) for c in caps]
+    train = [i for i, h in enumerate(held) if not h]
+    if not train:
+        raise ValueError(f"offline.heldout_fraction={cfg.offline.heldout_fraction} leaves no training pair")
+    held_idx = [i for i, h in enumerate(held) if h]
+    return pairs.select(train), (pairs.select(held_idx) if held_idx else None)
+
+
+class DPORun:
+    """One Diffusion-DPO run, set up from ``cfg`` (export, policy, pairs or rewards, runtime, resume): a
+    stage of :mod:`pretrain.runtime.loop`; :meth:`train_step` is one optimizer step (re-sampling online pairs
+    at round boundaries)."""
+
+    def __init__(self, cfg: DPOConfig):
+        self.cfg = cfg
+        self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
+            cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
+            "pairs per global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
+        # rewards first: a reward server that does not answer fails the run before any model loads
+        self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
+        self.st = st = PolicyStage.setup(cfg, "dpo")
+        n_trainable = count_parameters(st.model, trainable_only=True)
+        ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, bool(cfg.perf.compile), cfg.train.low_precision)
+        if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
+            compile_blocks(st.model)
+        self.seed = cfg.train.seed
+        self.prompts = EpochSampler(len(st.train_set), self.seed)
+        stateful = {"prompts": self.prompts}
+        self.pairs = self.held_pairs = None
+        if cfg.source == "offline":
+            self.pairs, self.held_pairs = offline_pairs(cfg, st.encoder, st.meta["image_size"])
+            self.pair_sampler = EpochSampler(len(self.pairs), self.seed)
+            stateful["pairs"] = self.pair_sampler
+        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
+        if self.guard is not None:
+            stateful["reward_guard"] = self.guard
+        self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
+                               cfg.checkpoint.keep_last, stateful, shape={**st.policy.shape(), **guard_shape(cfg.guard)})
+        resumed = rt.start(cfg.checkpoint.resume)
+        self.profiler = StepProfiler(cfg.profile, st.run / "profile")
+        self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),
+                                    enabled=ranks.is_main)
+        self.logger.write(f"policy: {n_trainable / 1e3:.1f} k trainable; source {cfg.source}; "
+                          f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
+                          f"{cfg.train.grad_accum} per step; ranks: {ranks.layout()}"
+                          + (f"; resumed from {resumed}" if resumed else ""))
+        if rt.step == 0 and cfg.source == "offline":
+            self.logger.log(rt.step, self.heldout_acc(), advance=False)
+        if self.guard is not None:
+            self.guard.start(rt.sampling_model(), self.logger)
+
+    @property
+    def step(self) -> int:
+        return self.rt.step
+
+    def heldout_acc(self) -> dict:
+        if self.held_pairs is None:
+            return {}
+        st = self.st
+        return {"heldout_implicit_acc": implicit_accuracy(st.policy, st.codec, self.held_pairs, self.cfg.dpo, st.null,
+                                                          seed=self.seed, device=st.device)}
+
+    def resample(self, step: int) -> dict:
+        """A new round of online pairs from the current policy (every ``online.resample_every`` steps)."""
+        st, on = self.st, self.cfg.online
+        st.model.eval()
+        with self.rt.autocast():
+            fresh, metrics = online_pairs(st.model, st.codec, st.train_set, self.prompts.next(on.prompts_per_round),
+                                          online=on, reward_fn=self.rewards, null=st.null,
+                                          shift=st.meta["sampling"]["shift"], seed=self.seed,
+                                          round_=step // on.resample_every, device=st.device)
+        if fresh is not None:
+            self.pairs = fresh
+            self.pair_sampler = EpochSampler(len(fresh), self.seed + step)
+        elif self.pairs is None:
+            raise ValueError(f"step {step}: no prompt had a reward gap above online.margin={on.margin}")
+        else:
+            self.logger.write(f"step {step}: no reward gap above online.margin={on.margin} in this round "
+                              f"(all samples scored alike); keeping the previous round's pairs")
+        return metrics
+
+    def train_step(self) -> dict:
+        cfg, st, step, metrics = self.cfg, self.st, self.rt.step, {}
+        if cfg.source == "online" and (self.pairs is None or step % cfg.online.resample_every == 0):
+            metrics = self.resample(step)
+            metrics["samples"] = cfg.online.prompts_per_round * cfg.online.samples_per_prompt  # drawn this step
+        metrics.update(dpo_step(st.policy, self.rt, st.codec, self.pairs, self.pair_sampler, cfg=cfg, null=st.null,
+                                step=step, device=st.device, ranks=self.ranks))
+        return metrics
+
+    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
+        """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps; the
+        guard's check every ``guard.every``."""
+        metrics, media = {}, []
+        if self.cfg.source == "offline" and (last or (self.cfg.eval.every and step % self.cfg.eval.every == 0)):
+            metrics = self.heldout_acc()
+        if self.guard is not None:
+            checked, media = self.guard.at_step(self.rt.sampling_model(), step, self.logger)
+            metrics.update(checked)
+        return metrics, media
+
+    def save(self) -> Path | None:
+        return self.rt.save()
+
+    def finish(self) -> Path:
+        st = self.st
+        final = self.rt.sampling_model().eval()
+        if self.guard is not None:
+            self.guard.finish(final, self.logger)
+        grid = self.ranks.grid(st, final, self.cfg.eval, self.seed, st.meta["sampling"]["shift"],
+                               f"heldout_step_{self.rt.step:06d}.png")
+        self.logger.write(f"grid: {grid}")
+        out = self.ranks.export(st, final)
+        self.logger.write(f"exported {out}")
+        self.logger.log_media(self.rt.step, grid)
+        self.logger.close()
+        return out
+
+
+def train(cfg: DPOConfig) -> Path:
+    """Run Diffusion-DPO; returns the merged export folder (``<run>/dpo/export``; adapter in ``lora/``)."""
+    return run_stage(DPORun(cfg))

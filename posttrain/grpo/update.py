@@ -1,0 +1,244 @@
+"""The GRPO policy update over one rollout buffer: per-transition loss (a registered part, default
+PPO-clip + beta * KL), several inner epochs of shuffled mini-batches, optimizer steps through the
+shared runtime. Log-probs are recomputed by :func:`rollout.sampler.log_prob` from what the
+trajectory recorded; this module only decides how the CFG branches are computed (speed options)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any
+
+import torch
+
+from posttrain.grpo.perf import PerfConfig, apply_preset, records_uncond
+from posttrain.objectives.rollout_correction import CorrectionConfig, correction_weights
+from pretrain.seeding import generator_for
+from rollout.branches import CFGBranches
+from rollout.sampler import log_prob
+from rollout.trajectory import Trajectory
+
+
+@dataclass
+class GRPOAlgorithmConfig:
+    """The ``grpo:`` block. ``advantage``, ``selection`` and ``loss`` each name a registered part and
+    give its options (:mod:`posttrain.grpo.parts.registry`): built in are advantages ``group`` (``clip_max``)
+    ``per_reward`` (DanceGRPO) and ``per_prompt`` (DDPO's per-prompt stat tracking: ``buffer_size``,
+    ``min_count``, ``clip_max``), selections ``all`` (``drop_zero_spread_groups``) and ``best_of_n``
+    (``k``; DanceGRPO), losses ``ppo_clip_kl`` (``clip_range``, ``beta``) on the rollout's log-probs and
+    the forward-process losses ``nft`` (DiffusionNFT), ``awm`` (Advantage Weighted Matching) and
+    ``dgpo`` (DGPO), which need none (:mod:`posttrain.grpo.forward_update`). ``inner_epochs``: passes over
+    the buffer per iteration;
+    ``detach_uncond``: no gradient through the unconditional CFG branch (default; false = flow_grpo's
+    behaviour, gradients through both branches; the loss value is the same either way).
+    ``old_log_prob``: ``rollout`` (the rollout's log-probs are the PPO ratio's denominator, as
+    Flow-GRPO) or ``recompute`` (pi_old recomputed in training's own batch layout and precision before
+    the update, so the first ratio is 1 whatever kernels, batch size or precision the rollout ran
+    with; costs one no-grad forward per trained transition). ``rollout_correction``
+    (:class:`posttrain.objectives.rollout_correction.CorrectionConfig`): how samples of an older policy version are
+    weighted (``rollout.mode`` one_step_off / async)."""
+
+    inner_epochs: int = 1
+    detach_uncond: bool = True
+    old_log_prob: str = "rollout"
+    rollout_correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    advantage: dict[str, Any] = field(default_factory=lambda: {"name": "group"})
+    selection: dict[str, Any] = field(default_factory=lambda: {"name": "all"})
+    loss: dict[str, Any] = field(default_factory=lambda: {"name": "ppo_clip_kl"})
+
+    def validate(self, prefix: str = "") -> None:
+        """Checks the parts' names and options, and fills in each part's defaults, so the run's saved
+        ``config.yaml`` records every option the parts ran with."""
+        if self.inner_epochs < 1:
+            raise ValueError(f"{prefix}inner_epochs: must be >= 1")
+        if self.old_log_prob not in ("rollout", "recompute"):
+            raise ValueError(f"{prefix}old_log_prob: '{self.old_log_prob}' is not one of rollout, recompute")
+        parts = self.build(prefix)
+        for key in ("advantage", "selection", "loss"):
+            options = getattr(getattr(parts, key), "cfg", None)
+            if is_dataclass(options):
+                setattr(self, key, {"name": getattr(self, key)["name"], **asdict(options)})
+
+    def build(self, prefix: str = "grpo.") -> "GRPOParts":
+        """The registered parts this block names; ``ValueError`` naming the key of a bad name or option."""
+        from posttrain.grpo.parts.registry import ADVANTAGES, LOSSES, SELECTIONS
+
+        return GRPOParts(ADVANTAGES.build(self.advantage, f"{prefix}advantage"),
+                         SELECTIONS.build(self.selection, f"{prefix}selection"),
+                         LOSSES.build(self.loss, f"{prefix}loss"))
+
+
+@dataclass
+class GRPOParts:
+    """The built parts of one GRPO algorithm (see :mod:`posttrain.grpo.parts.registry` for their contracts)."""
+
+    advantage: Any
+    selection: Any
+    loss: Any
+
+    def stateful(self) -> dict:
+        """The parts that keep state across iterations (they have ``state_dict``), by checkpoint key."""
+        return {f"grpo.{k}": p for k, p in vars(self).items() if hasattr(p, "state_dict")}
+
+    def update(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None, policy):
+        """The update engine the loss trains with: its ``update_class`` (e.g. the forward-process
+        update of ``nft`` / ``awm`` / ``dgpo``), else :class:`GRPOUpdate` (per-transition log-probs)."""
+        return getattr(self.loss, "update_class", GRPOUpdate)(cfg, perf, self, policy)
+
+
+def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: torch.Tensor, mask: torch.Tensor,
+                    *, loss, branches: CFGBranches, correction: CorrectionConfig | None = None, version: int = 0):
+    """``loss`` (a registered policy loss) of a mini-batch over transition(s) ``t`` (one or a list,
+    computed in one forward; the mean over k transitions equals the mean of k single-transition
+    losses): the policy's recomputed steps through ``branches``, the reference model's (adapters
+    disabled, or the frozen copy) when the loss needs them. The old log-probs are
+    ``traj.old_log_probs`` when recomputed, else the rollout's. Samples whose ``traj.versions`` is
+    below ``version`` (drawn by an older policy) are weighted by ``correction``
+    (:func:`posttrain.objectives.rollout_correction.correction_weights`, folded into the advantages). Returns
+    (float32 loss, stats)."""
+    ts = [t] if isinstance(t, int) else list(t)
+    k = len(ts)
+    new = log_prob(branches, traj, ts)
+
+    def rows(buf: torch.Tensor) -> torch.Tensor:  # [B, T] -> [k * B], transition-major like log_prob's rows
+        return buf[:, ts].transpose(0, 1).reshape(-1)
+
+    behaviour = rows(traj.log_probs)
+    old = behaviour if traj.old_log_probs is None else rows(traj.old_log_probs)
+    adv, keep = advantages.repeat(k), mask.repeat(k)
+    extra = {}
+    if correction is not None and traj.versions is not None:
+        stale = (traj.versions.to(adv.device) < version).repeat(k)
+        w, inside = correction_weights(correction, old, behaviour, stale)
+        adv, keep = adv * w.to(adv.device), keep & inside.to(keep.device)
+        if bool(stale.any()):
+            extra = {"is_weight_mean": float(w[stale].mean()), "is_weight_max": float(w[stale].max()),
+                     "rejected_frac": float((~inside[stale]).float().mean())}
+    ref = None
+    if getattr(loss, "needs_reference", False):
+        with torch.no_grad(), policy.reference() as ref_model:
+            ref = log_prob(ref_model, traj, ts)
+    value, stats = loss(new, old, adv, keep, ref)
+    return value, {**stats, **extra}
+
+
+def merge_stats(acc: dict, stats: dict, weight: float) -> None:
+    """Fold one chunk of transitions' stats into ``acc``: min / max for ratio_min / ratio_max, a mean
+    weighted by ``weight`` (the chunk's share of the transitions) otherwise."""
+    for key, v in stats.items():
+        if key == "ratio_min":
+            acc[key] = min(acc.get(key, v), v)
+        elif key.endswith("_max"):
+            acc[key] = max(acc.get(key, v), v)
+        else:
+            acc[key] = acc.get(key, 0.0) + v * weight
+
+
+class GRPOUpdate:
+    """One iteration's policy update: ``cfg`` the ``grpo:`` block, ``perf`` the speed options (same
+    loss and gradients up to float rounding; ``perf.merge_lora`` resolved to a bool by the caller)."""
+
+    def __init__(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None = None, parts: GRPOParts | None = None,
+                 policy=None):
+        self.cfg, self.perf = cfg, apply_preset(perf or PerfConfig(merge_lora=False))
+        self.parts = parts or cfg.build()
+
+    def stateful(self) -> dict:
+        """State to checkpoint beyond the parts' own: none."""
+        return {}
+
+    def rollout_model(self, policy, version: int) -> torch.nn.Module:
+        """The module to sample rollouts with: the policy, or its LoRA-merged copy (``perf.merge_lora``)
+        refreshed at ``version`` (the optimizer step)."""
+        return policy.inference_model(version) if self.perf.merge_lora else policy.model
+
+    def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
+                 transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:
+        """Inner epochs over ``traj`` in mini-batches shuffled by (seed, "shuffle", iteration, epoch);
+        ``runtime.cfg.grad_accum`` mini-batches per optimizer step; ``advantages`` float32 ``[N]``,
+        ``mask`` bool ``[N]`` (on the trajectory's device). Returns per-mini-batch stats.
+
+        Until the first optimizer step the unconditional CFG branch is read from
+        ``traj.uncond_velocities`` when the rollout recorded them (the weights are still the
+        rollout's); the first step sets them to None on ``traj`` (they no longer hold; a second update
+        over the same buffer recomputes). ``dp_group``: the data-parallel process group when this rank
+        trains its share of the samples; the loss is then rescaled by dp x (local valid count) /
+        (global valid count), so that the gradient FSDP averages over ranks is the mean over all
+        ranks' valid samples even when ranks mask different numbers of them."""
+        perf, n, accum = self.perf, len(traj), runtime.cfg.grad_accum
+        out, pending = [], 0.0
+        reuse = traj.uncond_velocities is not None and records_uncond(perf, self.cfg.detach_uncond,
+                                                                      traj.settings.guidance_scale)
+        policy.model.train()
+        for epoch in range(self.cfg.inner_epochs):
+            perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, epoch))
+            for k, start in enumerate(range(0, n, mini_batch_size)):
+                idx = perm[start:start + mini_batch_size]
+                mb = traj.select(idx)
+                mb_stats: dict[str, float] = {}
+                branches = CFGBranches(policy.model, self.cfg.detach_uncond,
+                                       policy.inference_model(runtime.step) if perf.merge_lora else None,
+                                       perf.uncond_in_batch, reuse)
+                weight = _global_count_weight(mask[idx], dp_group)
+                per = perf.transitions_per_forward or len(transitions)
+                for c in range(0, len(transitions), per):
+                    chunk = transitions[c:c + per]
+                    share = len(chunk) / len(transitions)
+                    with runtime.autocast():
+                        loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx],
+                                                      loss=self.parts.loss, branches=branches,
+                                                      correction=self.cfg.rollout_correction, version=iteration)
+                    runtime.backward(loss * share * weight)
+                    pending += loss.item() * share / accum
+                    merge_stats(mb_stats, stats, share)
+                if (k + 1) % accum == 0:
+                    mb_stats.update(runtime.optimizer_step(pending))
+                    mb_stats["loss"] = pending
+                    pending, reuse = 0.0, False
+                    traj.uncond_velocities = None  # stale from here on; frees the buffer
+                out.append(mb_stats)
+        return out
+
+    @torch.no_grad()
+    def recompute_old_log_probs(self, policy, runtime, traj: Trajectory, *, transitions: list[int],
+                                mini_batch_size: int, seed: int, iteration: int) -> None:
+        """``grpo.old_log_prob: recompute``: set ``traj.old_log_probs`` (float32 ``[B, T]``, NaN at
+        transitions not in ``transitions``) to the current policy's log-probs, computed exactly as the
+        first inner epoch of :meth:`__call__` will compute them (its mini-batches, transition chunks,
+        CFG branches and autocast), so the first mini-batch's ratio is 1 up to autograd's effect on
+        the kernels, whatever the rollout ran with. Only for log-prob losses (not the forward-process
+        updates)."""
+        perf, n = self.perf, len(traj)
+        old = torch.full_like(traj.log_probs, float("nan"), dtype=torch.float32)
+        reuse = traj.uncond_velocities is not None and records_uncond(perf, self.cfg.detach_uncond,
+                                                                      traj.settings.guidance_scale)
+        policy.model.train()
+        perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, 0))
+        per = perf.transitions_per_forward or len(transitions)
+        for start in range(0, n, mini_batch_size):
+            idx = perm[start:start + mini_batch_size]
+            mb, rows = traj.select(idx), idx.to(old.device)
+            branches = CFGBranches(policy.model, self.cfg.detach_uncond,
+                                   policy.inference_model(runtime.step) if perf.merge_lora else None,
+                                   perf.uncond_in_batch, reuse)
+            for c in range(0, len(transitions), per):
+                chunk = transitions[c:c + per]
+                with runtime.autocast():
+                    lp = log_prob(branches, mb, chunk).log_prob.float().reshape(len(chunk), len(idx))
+                for j, t in enumerate(chunk):
+                    old[rows, t] = lp[j].to(old.device)
+        traj.old_log_probs = old
+
+
+def _global_count_weight(mask: torch.Tensor, dp_group) -> float:
+    """dp x (valid samples here) / (valid samples over the group), 1 without a group or when no rank
+    has a valid sample (then every loss is 0 anyway)."""
+    if dp_group is None:
+        return 1.0
+    import torch.distributed as dist
+
+    count = mask.float().sum().reshape(1)
+    total = count.clone()
+    dist.all_reduce(total, group=dp_group)
+    if float(total) == 0.0:
+        return 1.0
+    return dist.get_world_size(dp_group) * float(count) / float(total)
