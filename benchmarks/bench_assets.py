@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pretrain.codec import CodecConfig
-from pretrain.export import META, export_model
+from pretrain.export import META, ExportMeta, export_model
 from pretrain.models import ModelConfig
 from pretrain.models.sd3 import build_transformer
 from pretrain.text_encoder import TextEncoderConfig
@@ -128,6 +128,6 @@ def build_assets(model: ModelConfig, export_dir: str | Path, data_dir: str | Pat
     latent = shape.image_size // 8
     transformer = build_transformer(ModelConfig(preset="tiny", overrides=dict(model.overrides)), latent,
                                     LATENT_CHANNELS, shape.text_dim, shape.pooled_dim)
-    export_model(transformer, export_dir,
-                 TextEncoderConfig(name="clip_folder", max_length=shape.text_tokens, path=str(parts)),
-                 CodecConfig(name="vae", path=str(parts)), shape.image_size, {"shift": 3.0})
+    export_model(transformer, export_dir, ExportMeta(
+        TextEncoderConfig(name="clip_folder", max_length=shape.text_tokens, path=str(parts)),
+        CodecConfig(name="vae", path=str(parts)), shape.image_size, {"shift": 3.0}))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,24 +24,48 @@ from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
 META = "posttrain.json"
 
 
-def export_model(transformer: torch.nn.Module, out_dir: str | Path, text_encoder: TextEncoderConfig,
-                 codec: CodecConfig, image_size: int, sampling: dict, arch: str = "sd3",
-                 data: dict | None = None, adapter: dict | None = None, objective: str | None = None) -> Path:
-    """Save ``transformer`` (the denoiser, ``save_pretrained``, safetensors) and the metadata (``arch``
-    names its family in :data:`pretrain.models.FAMILIES`; ``data``: the training data config as a dict,
-    the default data of later stages' evaluation; ``adapter``: the adapter's
-    :meth:`~pretrain.backbone.Backbone.export_settings`, recorded when not empty; ``objective``: the
-    ``flow.objective`` it was pretrained with, recorded when given, the held-out loss of later
-    evaluations) to ``out_dir``; returns ``out_dir``."""
+@dataclass
+class ExportMeta:
+    """What ``posttrain.json`` records beside an exported denoiser. ``text_encoder`` / ``codec``: their
+    configs; ``image_size``: pixels per side the model was trained at; ``sampling``: the default
+    ``num_inference_steps``, ``guidance_scale`` and ``shift``; ``arch``: its family in
+    :data:`pretrain.models.FAMILIES`; ``data``: the training data config as a dict, the default data of
+    later stages' evaluation; ``adapter``: the adapter's :meth:`~pretrain.backbone.Backbone.export_settings`,
+    recorded when not empty; ``objective``: the ``flow.objective`` it was pretrained with, recorded when
+    given (the held-out loss of later evaluations)."""
+
+    text_encoder: TextEncoderConfig
+    codec: CodecConfig
+    image_size: int
+    sampling: dict
+    arch: str = "sd3"
+    data: dict | None = None
+    adapter: dict | None = None
+    objective: str | None = None
+
+    def to_json(self) -> dict:
+        """The ``posttrain.json`` dict (optional fields only when set)."""
+        return {"arch": self.arch, "text_encoder": asdict(self.text_encoder), "codec": asdict(self.codec),
+                "image_size": self.image_size, "sampling": self.sampling,
+                **{k: getattr(self, k) for k in ("data", "adapter", "objective") if getattr(self, k)}}
+
+    @classmethod
+    def from_json(cls, meta: dict) -> "ExportMeta":
+        """The record of a loaded export's ``meta`` dict (``arch`` "sd3" when absent)."""
+        return cls(TextEncoderConfig(**meta["text_encoder"]), CodecConfig(**meta["codec"]), meta["image_size"],
+                   meta["sampling"], meta.get("arch", "sd3"), meta.get("data"), meta.get("adapter"),
+                   meta.get("objective"))
+
+
+def export_model(transformer: torch.nn.Module, out_dir: str | Path, meta: ExportMeta) -> Path:
+    """Save ``transformer`` (the denoiser, ``save_pretrained``, safetensors) and ``meta`` (as
+    ``posttrain.json``) to ``out_dir``, atomically (a temp folder renamed); returns ``out_dir``."""
     out = Path(out_dir)
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     with plain_weights(transformer):  # torchao's low-precision wrappers hold plain weights inside
         transformer.save_pretrained(tmp, safe_serialization=True)
-    meta = {"arch": arch, "text_encoder": asdict(text_encoder), "codec": asdict(codec), "image_size": image_size,
-            "sampling": sampling, **({"data": data} if data else {}), **({"adapter": adapter} if adapter else {}),
-            **({"objective": objective} if objective else {})}
-    (tmp / META).write_text(json.dumps(meta, indent=2))
+    (tmp / META).write_text(json.dumps(meta.to_json(), indent=2))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -13,7 +13,7 @@ import torch
 from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import ConfigError
 from pretrain.data.dataset import EpochSampler, build_datasets
-from pretrain.export import export_model
+from pretrain.export import ExportMeta, export_model
 from pretrain.models import arch_of, build_backbone, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas, pretrain_loss
 from pretrain.parallel.job import JobRanks
@@ -221,9 +221,9 @@ class PretrainRun:
         sampling = self.rt.sampling_model().eval()
         sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps,
                          "guidance_scale": cfg.eval.guidance_scale, "shift": cfg.eval.shift}
-        out = self.ranks.export_on_main(lambda m: export_model(
-            m.transformer, run / "export", cfg.text_encoder, cfg.codec, cfg.data.size, sampling_meta, cfg.model.arch,
-            asdict(cfg.data), m.export_settings(), cfg.flow.objective), sampling, run / "export")
+        out = self.ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", ExportMeta(
+            cfg.text_encoder, cfg.codec, cfg.data.size, sampling_meta, cfg.model.arch, asdict(cfg.data),
+            m.export_settings(), cfg.flow.objective)), sampling, run / "export")
         self.logger.write(f"exported {out}")
         self.logger.close()
         return out

@@ -10,17 +10,16 @@ import torch
 import torch.distributed as dist
 
 from posttrain.base.policy import Policy
-from pretrain.codec import CodecConfig
 from pretrain.data.dataset import EncodedSet, build_datasets
 from pretrain.evaluation import write_grid
 from pretrain.models.pipelines import export_pipeline, save_pipeline_lora
-from pretrain.export import export_model, load_exported, require_export
+from pretrain.export import ExportMeta, export_model, load_exported, require_export
 from pretrain.parallel.job import JobRanks
 from pretrain.runtime.config_record import record_config
 from pretrain.runtime.host import configure_host
 from pretrain.runtime.runtime import resolve_device
 from pretrain.seeding import seed_for
-from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
+from pretrain.text_encoder import PromptEmbeds
 
 
 @dataclass
@@ -76,9 +75,7 @@ class PolicyStage:
                 save_pipeline_lora(final.transformer, m, self.run / "lora")
             return export_pipeline(self.policy.merged_transformer(final), m, self.run / "export")
         self.policy.save_adapter(self.run / "lora", final)
-        return export_model(self.policy.merged_transformer(final), self.run / "export",
-                            TextEncoderConfig(**m["text_encoder"]), CodecConfig(**m["codec"]), m["image_size"],
-                            m["sampling"], m.get("arch", "sd3"), m.get("data"), m.get("adapter"), m.get("objective"))
+        return export_model(self.policy.merged_transformer(final), self.run / "export", ExportMeta.from_json(m))
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.base.guard import GuardConfig
-from posttrain.grpo.perf import PerfConfig
+from posttrain.base.compile import CompileConfig
 from posttrain.base.policy import PolicyConfig
 from pretrain.run_config import RunConfig
 
@@ -29,13 +29,14 @@ class StageConfig(RunConfig):
     ``eval`` and ``perf``. ``model.pretrained``: an export folder (from `posttrain pretrain` or a
     previous stage) or a diffusers pipeline folder of a known family; the other ``model`` fields and
     ``data.size`` come from it. What a step is: the stage's docs. ``perf``: speed options that leave
-    the numbers unchanged (:class:`posttrain.grpo.perf.PerfConfig`). ``guard``: the reward-hacking guard
+    the numbers unchanged: ``perf.compile`` here (:class:`posttrain.base.compile.CompileConfig`), GRPO's own
+    further options in :class:`posttrain.grpo.perf.PerfConfig`. ``guard``: the reward-hacking guard
 checked while the stage runs (:class:`posttrain.base.guard.GuardConfig`; off by default)."""
 
     run_dir: str = "runs/stage"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     eval: StageEvalConfig = field(default_factory=StageEvalConfig)
-    perf: PerfConfig = field(default_factory=PerfConfig)
+    perf: CompileConfig = field(default_factory=CompileConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def validate(self, prefix: str = "") -> None:

@@ -14,7 +14,7 @@ every rank holds the whole pair set, no gather), then sliced like offline pairs;
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from posttrain.dpo.errors import flow_errors
 from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 from pretrain.runtime.loop import run_stage
 from posttrain.base.guard import Guard, guard_shape
-from posttrain.grpo.perf import PerfConfig, compile_blocks
+from posttrain.base.compile import compile_blocks
 from posttrain.base.policy import Policy
 from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig
@@ -115,7 +115,7 @@ class DPOConfig(StageConfig):
     is one optimizer step: ``train.steps``, ``checkpoint.every``, ``eval.every`` (held-out implicit
     accuracy of offline pairs), the metrics ``step`` and the checkpoint folders count them.
     ``train.batch_size``: pairs per micro-batch, global (split over the data-parallel ranks under
-    ``torchrun``). ``perf``: only ``compile`` applies. Outputs go to ``<run_dir>/dpo/``."""
+    ``torchrun``). ``perf``: only ``compile`` (:class:`posttrain.base.compile.CompileConfig`). Outputs go to ``<run_dir>/dpo/``."""
 
     run_dir: str = "runs/dpo"
     source: str = "online"
@@ -126,13 +126,6 @@ class DPOConfig(StageConfig):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
-        default = PerfConfig()
-        for f in fields(PerfConfig):
-            value = getattr(self.perf, f.name)
-            if f.name == "merge_lora" and not value:  # unset or off: nothing to honour
-                continue
-            if f.name != "compile" and value != getattr(default, f.name):
-                raise ValueError(f"perf.{f.name}: not used by dpo (only perf.compile applies); remove it")
         if self.source not in ("online", "offline"):
             raise ValueError(f"source: '{self.source}' is not one of online, offline")
         if self.source == "offline" and not self.offline.path:
@@ -174,7 +167,7 @@ def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: P
     (ew, el), = pair_errors(policy.model, codec, pairs, cfg, null, **draw)
     with torch.no_grad(), policy.reference() as ref:
         (rw, rl), = pair_errors(ref, codec, pairs, cfg, null, **draw)
-    return diffusion_dpo_loss(ew, el, rw, rl, cfg.beta, cfg.loss_type, pairs.pref.to(device))
+    return diffusion_dpo_loss(ew, el, rw, rl, cfg.beta, cfg.loss_type, pref=pairs.pref.to(device))
 
 
 @torch.no_grad()

@@ -79,7 +79,7 @@ def paired_stats(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float,
 
 
 @torch.no_grad()
-def paired_samples(model, codec, embeds, null, cfg: EvalConfig, image_size: int, shift: float | None, device
+def paired_samples(model, codec, embeds, null, cfg: EvalConfig, *, image_size: int, shift: float | None, device
                    ) -> torch.Tensor:
     """ODE samples of P prompts (``embeds`` ``[P, ...]``) x ``cfg.samples_per_prompt`` seeds, float32
     ``[K * P, 3, H, W]`` in [0, 1] on the CPU, sample-major: the seed of (prompt i, sample j) is the
@@ -140,7 +140,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         k, p = cfg.samples_per_prompt, len(prompts)
         bar.update()
         bar.set_postfix_str(f"model {m_i}: sampling {k * p} images")
-        images = paired_samples(model, codec, embeds, null, cfg, meta["image_size"], meta["sampling"]["shift"], device)
+        images = paired_samples(model, codec, embeds, null, cfg, image_size=meta["image_size"],
+                                shift=meta["sampling"]["shift"], device=device)
         bar.update()
         bar.set_postfix_str(f"model {m_i}: scoring")
         for name, fn in reward_fns.items():

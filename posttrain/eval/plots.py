@@ -178,7 +178,7 @@ def _wrap(draw, text: str, font, width: int) -> list[str]:
     return lines or [""]
 
 
-def side_by_side(cells: list[list], captions: list[str], labels: list[str], path: str | Path,
+def side_by_side(cells: list[list], captions: list[str], labels: list[str], path: str | Path, *,
                  per_row: int = 4, font_size: int = 13, min_cell: int = 64) -> Path:
     """Write one PNG comparing models prompt by prompt: ``cells[m][i]`` (PIL images, model m, prompt
     i) side by side in model order for each prompt, ``per_row`` prompts per row, each prompt's caption

@@ -82,8 +82,8 @@ def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> 
     model.eval()
     try:
         embeds = stage.encoder.encode(prompts)
-        images = paired_samples(model, stage.codec, embeds, stage.null, ecfg, stage.meta["image_size"],
-                                stage.meta["sampling"]["shift"], stage.device)
+        images = paired_samples(model, stage.codec, embeds, stage.null, ecfg, image_size=stage.meta["image_size"],
+                                shift=stage.meta["sampling"]["shift"], device=stage.device)
         k, p = cfg.samples_per_prompt, len(prompts)
         scores = {key: fn(images, prompts * k, None).float().view(k, p).mean(0).tolist() for key, fn in fns.items()}
         loss = float("nan")

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.models.activations import rewrite_tanh_gelu
-from pretrain.parallel.fsdp import apply_compile
-
+from posttrain.base.compile import compile_blocks
 
 
 @dataclass
@@ -129,21 +128,6 @@ def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:
     """Whether the rollout keeps its unconditional velocities and the update reuses them."""
     return perf.reuse_rollout_uncond and detach_uncond and not perf.uncond_in_batch and guidance_scale != 1.0
-
-
-def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile`` every block of ``model`` (a :class:`pretrain.backbone.Backbone`; its ``blocks()``)
-    in place (torchtitan's per-block compile); returns ``model``. GRPO calls a block in several guises (with and without
-    gradients, adapters on and off, the merged copy, batch B and 2B), each a graph of its own, so the
-    recompile limit is raised to keep them all compiled."""
-    import torch._dynamo
-
-    dyn = torch._dynamo.config
-    for key in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dyn, key):
-            setattr(dyn, key, max(getattr(dyn, key), 64))
-    apply_compile(model)
-    return model
 
 
 def compile_decoder(codec: object) -> bool:

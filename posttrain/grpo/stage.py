@@ -21,7 +21,7 @@ from posttrain.grpo.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo.update import GRPOAlgorithmConfig
 from posttrain.base.guard import Guard, group_diversity, guard_shape
 from pretrain.runtime.loop import run_stage
-from posttrain.grpo.perf import apply_model_options, compile_models, merge_lora_blocker, resolve_perf
+from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, merge_lora_blocker, resolve_perf
 from posttrain.base.stage import PolicyStage
 from posttrain.base.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.base.stage_config import StageConfig
@@ -49,13 +49,15 @@ class GRPOConfig(StageConfig):
     registered parts (:class:`posttrain.grpo.update.GRPOAlgorithmConfig`); ``rewards``:
     ``{name: weight}`` (required; dict values from the command line merge into the file's, so switch
     a reward off with weight 0); ``reward_engine``: where they are scored
-    (:class:`posttrain.grpo.engines.reward_actor.RewardEngineConfig`). Outputs go to ``<run_dir>/grpo/``."""
+    (:class:`posttrain.grpo.engines.reward_actor.RewardEngineConfig`); ``perf``: GRPO's speed options, which
+    leave the numbers unchanged (:class:`posttrain.grpo.perf.PerfConfig`). Outputs go to ``<run_dir>/grpo/``."""
 
     run_dir: str = "runs/grpo"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOAlgorithmConfig = field(default_factory=GRPOAlgorithmConfig)
     rewards: dict[str, Any] = field(default_factory=dict)
     reward_engine: RewardEngineConfig = field(default_factory=RewardEngineConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

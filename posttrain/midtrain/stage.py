@@ -19,13 +19,13 @@ writes the grids and the export.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from posttrain.base.guard import Guard, guard_shape
-from posttrain.grpo.perf import PerfConfig, compile_blocks
+from posttrain.base.compile import compile_blocks
 from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig, StageEvalConfig
 from pretrain.config import ConfigError, require_positive
@@ -76,7 +76,7 @@ class MidtrainConfig(StageConfig):
     (global: split over the data-parallel ranks under ``torchrun``); ``train.steps``,
     ``checkpoint.every``, ``eval.every``, the metrics ``step`` and the checkpoint folders count them.
     ``data``: the images to fine-tune on (any source with images; the held-out split gives
-    ``heldout_loss``); ``flow``: :class:`MidtrainFlowConfig`; ``perf``: only ``compile`` applies.
+    ``heldout_loss``); ``flow``: :class:`MidtrainFlowConfig`; ``perf``: only ``compile`` (:class:`posttrain.base.compile.CompileConfig`).
     Outputs go to ``<run_dir>/midtrain/``."""
 
     run_dir: str = "runs/midtrain"
@@ -88,13 +88,6 @@ class MidtrainConfig(StageConfig):
         if self.data.source == "prompts":
             raise ValueError("data.source: 'prompts' has no images to fine-tune on (use openmoji, folder or "
                              "moving_emoji)")
-        default = PerfConfig()
-        for f in fields(PerfConfig):
-            value = getattr(self.perf, f.name)
-            if f.name == "merge_lora" and not value:  # unset or off: nothing to honour
-                continue
-            if f.name != "compile" and value != getattr(default, f.name):
-                raise ValueError(f"perf.{f.name}: not used by midtrain (only perf.compile applies); remove it")
 
 
 def resolve_flow(flow: FlowConfig, meta: dict, export: str | Path) -> FlowConfig:

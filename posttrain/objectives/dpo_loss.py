@@ -34,7 +34,7 @@ def dpo_inside_term(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.T
 
 
 def diffusion_dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.Tensor, ref_err_l: torch.Tensor,
-                       beta: float, loss_type: str = "sigmoid", pref: torch.Tensor | None = None
+                       beta: float, loss_type: str = "sigmoid", *, pref: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, dict]:
     """Mean pair loss (float32 scalar) and detached stats: implicit accuracy over non-tie pairs (share
     with inside > 0; inside == 0 counts 0.5; 0.5 when every pair is a tie), implicit reward margin

@@ -37,7 +37,7 @@ def nft_optimality(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tenso
 
 
 def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor,
-             r: torch.Tensor, beta: float, adv_clip_max: float) -> torch.Tensor:
+             r: torch.Tensor, *, beta: float, adv_clip_max: float) -> torch.Tensor:
     """DiffusionNFT's per-sample policy loss, float32 ``[B]`` (Zheng et al. 2025, arXiv 2509.16117:
     the negative-aware objective with implicit positive and negative policies, in the form the
     reference implementation NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py`` trains it):

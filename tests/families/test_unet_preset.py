@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pretrain.export import export_model, load_exported
+from pretrain.export import ExportMeta, export_model, load_exported
 from pretrain.models import ModelConfig, build_backbone
 from pretrain.models.unet import UNET_SCHEDULER, UNetAdapter
 from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas, pretrain_loss
@@ -122,9 +122,9 @@ def test_ode_sampler_is_a_ddim_loop_and_the_export_round_trips(tmp_path):
     print(f"\nflow Euler over VPSchedule vs diffusers DDIM eta=0, {steps} steps: max diff {diff:.2e} (of {big:.2f})")
     assert diff <= 1e-5 * max(1.0, big) and big > 0.1
 
-    out = export_model(model.transformer, tmp_path / "export", TextEncoderConfig(), CodecConfig(), SIZE,
-                       {"num_inference_steps": steps, "guidance_scale": scale, "shift": None}, "unet",
-                       adapter=model.export_settings(), objective="epsilon")
+    out = export_model(model.transformer, tmp_path / "export", ExportMeta(
+        TextEncoderConfig(), CodecConfig(), SIZE, {"num_inference_steps": steps, "guidance_scale": scale, "shift": None},
+        "unet", adapter=model.export_settings(), objective="epsilon"))
     meta = json.loads((out / "posttrain.json").read_text())
     assert meta["adapter"]["scheduler"]["_class_name"] == "DDIMScheduler" and meta["objective"] == "epsilon"
     loaded, _, _, _ = load_exported(out)

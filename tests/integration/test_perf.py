@@ -63,7 +63,8 @@ def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
 
 
 def test_compiled_blocks_with_sigmoid_gelu_give_the_plain_steps_loss_and_gradients(tiny_export):
-    from posttrain.grpo.perf import apply_model_options, compile_blocks, resolve_perf
+    from posttrain.base.compile import compile_blocks
+    from posttrain.grpo.perf import apply_model_options, resolve_perf
 
     model, codec, train, null, policy, meta = _setup(tiny_export)
     traj = _rollout(model, codec, train, null, meta, n_prompts=2, group=2, batch=4, record_uncond=True)
@@ -283,5 +284,5 @@ def test_settings_that_cannot_hold_are_refused_never_rewritten(tiny_export, tmp_
     assert auto.merge_lora is None
     assert (resolve_perf(auto, "fp32", False).merge_lora, resolve_perf(auto, "bf16", False).merge_lora,
             resolve_perf(auto, "fp32", True).merge_lora) == (True, False, False)
-    with pytest.raises(ConfigError, match=r"perf\.uncond_in_batch: not used by dpo"):
+    with pytest.raises(ConfigError, match=r"perf\.uncond_in_batch.*not in .CompileConfig"):
         dpo_config(tmp_path, tiny_export, "perf.uncond_in_batch=true")

@@ -1,7 +1,7 @@
 import torch
 
 from pretrain.codec import PatchifyCodec
-from pretrain.export import export_model, load_exported
+from pretrain.export import ExportMeta, export_model, load_exported
 from pretrain.models import ModelConfig, count_parameters
 from pretrain.models.sd3 import SD3Adapter, build_transformer
 from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
@@ -30,8 +30,8 @@ def test_adapter_passes_sigma_times_1000_as_timestep():
 def test_saved_and_loaded_tiny_model_gives_identical_outputs(tmp_path):
     torch.manual_seed(0)
     m = build_transformer(ModelConfig(preset="tiny"), 16, 3, 384, 384).eval()
-    out = export_model(m, tmp_path / "export", TextEncoderConfig(), CodecConfig(), 16,
-                       {"num_inference_steps": 4, "guidance_scale": 2.0, "shift": 1.0})
+    out = export_model(m, tmp_path / "export", ExportMeta(TextEncoderConfig(), CodecConfig(), 16,
+                       {"num_inference_steps": 4, "guidance_scale": 2.0, "shift": 1.0}))
     adapter, encoder, codec, meta = load_exported(out)
     g = torch.Generator().manual_seed(2)
     x, e, sigma = torch.randn(3, 3, 16, 16, generator=g), _embeds(3, g), torch.tensor([1.0, 0.5, 0.01])
@@ -75,7 +75,8 @@ def test_exported_video_codec_keeps_its_frame_code(tmp_path):
     from pretrain.models.wan import build_wan_transformer
 
     codec_cfg = CodecConfig(name="video_patchify", factor=2, frames=4, frame_code=True)
-    out = export_model(build_wan_transformer("tiny", {}, 13, 384), tmp_path / "export", TextEncoderConfig(), codec_cfg, 16,
-                       {"shift": 1.0, "num_inference_steps": 4, "guidance_scale": 1.0}, arch="wan")
+    out = export_model(build_wan_transformer("tiny", {}, 13, 384), tmp_path / "export",
+                       ExportMeta(TextEncoderConfig(), codec_cfg, 16,
+                                  {"shift": 1.0, "num_inference_steps": 4, "guidance_scale": 1.0}, arch="wan"))
     _, _, codec, meta = load_exported(out)
     assert meta["codec"]["frame_code"] is True and codec.latent_shape(16, 16) == (13, 4, 8, 8)

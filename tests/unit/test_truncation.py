@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from rewards import truncation
+from pretrain import truncation
 from rewards.base import CompositeReward, build_reward
 from pretrain.truncation import TruncationCounter, fractions, hf_token_counts, take_truncation_counts
 from tests.unit.tiny_reward_models import bert_tokenizer_dir, sample_images, save_tiny_clip, tiny_clip_tokenizer

@@ -54,8 +54,8 @@ class NFTLoss:
     def __call__(self, batch):
         c = self.cfg
         r = nft_optimality(batch.advantages, c.adv_clip_max)
-        per = nft_loss(batch.velocity, batch.old_velocity(), batch.x0, batch.x_t, batch.sigma, r, c.beta,
-                       c.adv_clip_max)
+        per = nft_loss(batch.velocity, batch.old_velocity(), batch.x0, batch.x_t, batch.sigma, r, beta=c.beta,
+                       adv_clip_max=c.adv_clip_max)
         loss = masked_mean(per, batch.mask)
         stats = {"policy_loss": float(loss.detach()), "r_mean": float(r[batch.mask].mean()) if batch.mask.any() else 0.5}
         if c.kl_beta > 0:

@@ -33,7 +33,7 @@ A part that keeps state across iterations (e.g. ``per_prompt``'s reward buffers)
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 from pretrain.config import load_section
 from pretrain.registry import Registry
