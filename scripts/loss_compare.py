@@ -2,7 +2,7 @@
 
 Checks out REF (and HEAD, default the working tree) into temporary git worktrees, runs the same tiny
 runs in each (pretrain; GRPO with LoRA and with full fine-tuning; offline and online Diffusion-DPO;
-video pretrain and video GRPO), each through ``python -m posttrain`` in its own checkout, and prints
+midtraining; the forward-process losses NFT and DGPO; video pretrain and video GRPO), each through ``python -m posttrain`` in its own checkout, and prints
 their per-step metrics side by side. Timings, throughput and memory are left out; every other metric
 must be equal to the last bit. Exit 0 when all are identical, 1 otherwise (2 on a usage error).
 
@@ -34,6 +34,15 @@ RUNS = [
     ("dpo_offline", "dpo", "configs/dpo/emoji_tiny.yaml",
      ["source=offline", "offline.path={pairs}", "offline.heldout_fraction=0.25", "train.steps=4",
       "checkpoint.every=2"], "dpo", "pretrain"),
+    ("midtrain", "midtrain", "configs/midtrain/emoji_tiny.yaml", [], "midtrain", "pretrain"),
+    ("grpo_nft", "grpo", "configs/grpo/emoji_nft.yaml",
+     ["data.limit=256", "rollout.num_inference_steps=6", "rollout.prompts_per_step=4", "rollout.group_size=4",
+      "rollout.batch_size=16", "train.steps=2", "train.batch_size=8", "checkpoint.every=0", "eval.every=0",
+      "eval.grid_prompts=8", "eval.num_inference_steps=6"], "grpo", "pretrain"),
+    ("grpo_dgpo", "grpo", "configs/grpo/emoji_dgpo.yaml",
+     ["data.limit=256", "rollout.num_inference_steps=6", "rollout.prompts_per_step=4", "rollout.group_size=4",
+      "rollout.batch_size=16", "train.steps=2", "train.batch_size=8", "checkpoint.every=0", "eval.every=0",
+      "eval.grid_prompts=8", "eval.num_inference_steps=6"], "grpo", "pretrain"),
     ("video_pretrain", "pretrain", "configs/pretrain/moving_emoji_tiny.yaml", [], "pretrain", None),
     ("video_grpo", "grpo", "configs/grpo/emoji_tiny.yaml",
      ["data.source=moving_emoji", "data.frames=4", "data.limit=32", "rewards.jpeg_compressibility=0",

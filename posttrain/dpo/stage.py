@@ -14,7 +14,7 @@ every rank holds the whole pair set, no gather), then sliced like offline pairs;
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +26,16 @@ from posttrain.dpo.data import PairSet, load_preference_pairs, online_pairs
 from posttrain.dpo.errors import flow_errors
 from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 from pretrain.runtime.loop import run_stage
-from posttrain.base.guard import Guard, guard_shape
+from posttrain.base.guard import Guard
 from posttrain.base.compile import compile_blocks
 from posttrain.base.policy import Policy
+from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig
 from pretrain.data.dataset import EpochSampler
 from pretrain.models import count_parameters
 from pretrain.guidance import drop_condition
 from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas
-from pretrain.runtime.metrics import MetricsLogger
-from pretrain.runtime.profiling import StepProfiler
 from pretrain.runtime.runtime import Runtime
 from pretrain.text_encoder import PromptEmbeds
 from rewards.base import CompositeReward, check_reward_weights
@@ -228,7 +227,7 @@ def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet 
     return pairs.select(train), (pairs.select(held_idx) if held_idx else None)
 
 
-class DPORun:
+class DPORun(PolicyRun):
     """One Diffusion-DPO run, set up from ``cfg`` (export, policy, pairs or rewards, runtime, resume): a
     stage of :mod:`pretrain.runtime.loop`; :meth:`train_step` is one optimizer step (re-sampling online pairs
     at round boundaries)."""
@@ -254,22 +253,15 @@ class DPORun:
             self.pair_sampler = EpochSampler(len(self.pairs), self.seed)
             stateful["pairs"] = self.pair_sampler
         self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
-        if self.guard is not None:
-            stateful["reward_guard"] = self.guard
-        self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful, shape={**st.policy.shape(), **guard_shape(cfg.guard)})
-        resumed = rt.start(cfg.checkpoint.resume)
-        self.profiler = StepProfiler(cfg.profile, st.run / "profile")
-        self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),
-                                    enabled=ranks.is_main)
+        resumed = self.start_runtime(stateful, headline=("loss", "implicit_acc"))
+        rt = self.rt
         self.logger.write(f"policy: {n_trainable / 1e3:.1f} k trainable; source {cfg.source}; "
                           f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
                           f"{cfg.train.grad_accum} per step; ranks: {ranks.layout()}"
                           + (f"; resumed from {resumed}" if resumed else ""))
         if rt.step == 0 and cfg.source == "offline":
             self.logger.log(rt.step, self.heldout_acc(), advance=False)
-        if self.guard is not None:
-            self.guard.start(rt.sampling_model(), self.logger)
+        self.start_guard()
 
     @property
     def step(self) -> int:
@@ -310,33 +302,16 @@ class DPORun:
                                 step=step, device=st.device, ranks=self.ranks))
         return metrics
 
-    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
-        """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps; the
-        guard's check every ``guard.every``."""
-        metrics, media = {}, []
+    def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
+        """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps."""
         if self.cfg.source == "offline" and (last or (self.cfg.eval.every and step % self.cfg.eval.every == 0)):
-            metrics = self.heldout_acc()
-        if self.guard is not None:
-            checked, media = self.guard.at_step(self.rt.sampling_model(), step, self.logger)
-            metrics.update(checked)
-        return metrics, media
+            return self.heldout_acc(), []
+        return {}, []
 
-    def save(self) -> Path | None:
-        return self.rt.save()
-
-    def finish(self) -> Path:
+    def grid(self, model: torch.nn.Module, step: int) -> Path:
         st = self.st
-        final = self.rt.sampling_model().eval()
-        if self.guard is not None:
-            self.guard.finish(final, self.logger)
-        grid = self.ranks.grid(st, final, self.cfg.eval, self.seed, st.meta["sampling"]["shift"],
-                               f"heldout_step_{self.rt.step:06d}.png")
-        self.logger.write(f"grid: {grid}")
-        out = self.ranks.export(st, final)
-        self.logger.write(f"exported {out}")
-        self.logger.log_media(self.rt.step, grid)
-        self.logger.close()
-        return out
+        return self.ranks.grid(st, model, self.cfg.eval, self.seed, st.meta["sampling"]["shift"],
+                               f"heldout_step_{step:06d}.png")
 
 
 def train(cfg: DPOConfig) -> Path:

@@ -9,7 +9,7 @@ loss on the clean samples of ODE rollouts (DiffusionNFT, AWM, DGPO: :mod:`posttr
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +19,16 @@ from posttrain.grpo.ranks import RankLayout
 from posttrain.grpo.engines import build_engine
 from posttrain.grpo.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo.update import GRPOAlgorithmConfig
-from posttrain.base.guard import Guard, group_diversity, guard_shape
+from posttrain.base.guard import Guard, group_diversity
 from pretrain.runtime.loop import run_stage
 from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, merge_lora_blocker, resolve_perf
+from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage
 from posttrain.base.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.base.stage_config import StageConfig
 from pretrain.data.dataset import EpochSampler
 from pretrain.models import count_parameters
-from pretrain.runtime.metrics import MetricsLogger
-from pretrain.runtime.profiling import StepProfiler, peak_rss_mb
-from pretrain.runtime.runtime import Runtime
+from pretrain.runtime.profiling import peak_rss_mb
 from rewards.base import CompositeReward, check_reward_weights
 from rewards.scoring import AsyncScorer
 from pretrain.truncation import fractions, take_truncation_counts
@@ -149,7 +148,7 @@ def reward_stats(total: torch.Tensor, raw: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-class GRPORun:
+class GRPORun(PolicyRun):
     """One GRPO run, set up from ``cfg`` (export, data, policy, sampler, parts, runtime, resume): a stage
     of :mod:`pretrain.runtime.loop`. :meth:`train_step` is one rollout -> reward -> advantage -> update
     iteration; :meth:`finish` writes the grid and the exports. Benchmarks drive steps with
@@ -181,19 +180,13 @@ class GRPORun:
         shape = {"rollout.group_size": ro.group_size, "rollout.prompts_per_step": ro.prompts_per_step,
                  # they set the optimizer steps per iteration, from which a resume counts iterations
                  "train.batch_size": cfg.train.batch_size, "train.grad_accum": cfg.train.grad_accum,
-                 "grpo.inner_epochs": cfg.grpo.inner_epochs, **st.policy.shape(), **guard_shape(cfg.guard)}
-        self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful={"prompts": self.prompts, "signal": self.signal,
-                                                                    **({"reward_guard": self.guard} if self.guard else {}),
-                                                                    **self.parts.stateful(), **self.update.stateful(),
-                                                                    **self.engine.stateful()},
-                               total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)
-        resumed = rt.start(cfg.checkpoint.resume)
-        self.step = rt.step // self.opt_per_iter
+                 "grpo.inner_epochs": cfg.grpo.inner_epochs}
+        resumed = self.start_runtime({"prompts": self.prompts, "signal": self.signal, **self.parts.stateful(),
+                                      **self.update.stateful(), **self.engine.stateful()},
+                                     headline=("reward_mean", "kl"), shape=shape,
+                                     optimizer_steps_per_step=self.opt_per_iter)
+        self.step = self.rt.step // self.opt_per_iter
         self.latent_shape = st.codec.latent_shape(meta["image_size"], meta["image_size"])
-        self.profiler = StepProfiler(cfg.profile, st.run / "profile")
-        self.logger = MetricsLogger(st.run, cfg.train.steps, self.step, cfg.wandb, asdict(cfg), ("reward_mean", "kl"),
-                                    enabled=ranks.is_main)
         model, policy = st.model, st.policy
         self.logger.write(
             f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable of "
@@ -204,8 +197,7 @@ class GRPORun:
             f"batch {ro.batch_size}; train mini-batch {cfg.train.batch_size} x accumulation {cfg.train.grad_accum}"
             f" -> {self.opt_per_iter} optimizer steps/iteration over {cfg.grpo.inner_epochs} inner epoch(s)")
         self.logger.write(ranks.describe())
-        if self.guard is not None:
-            self.guard.start(self.rt.sampling_model(), self.logger)
+        self.start_guard()
 
     def sampling_model(self) -> torch.nn.Module:
         """The module the rollout samples with (the update's choice: the policy, its LoRA-merged copy
@@ -251,39 +243,19 @@ class GRPORun:
                 **batch.metrics, "time_advantage_s": t2 - t1, "time_train_s": t3 - t_old, "peak_rss_mb": peak_rss_mb(),
                 **({"time_old_log_prob_s": t_old - t2} if cfg.grpo.old_log_prob == "recompute" else {})}
 
-    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
-        """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`),
-        and the guard's check every ``guard.every`` (its metrics and its probe's grid)."""
-        metrics, media = {}, []
+    def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
+        """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`)."""
         if self.cfg.eval.every and step % self.cfg.eval.every == 0:
-            media.append(self.grid(self.rt.sampling_model().eval(), step))
-        if self.guard is not None:
-            metrics, grids = self.guard.at_step(self.rt.sampling_model(), step, self.logger)
-            media += grids
-        return metrics, media
+            return {}, [self.grid(self.rt.sampling_model().eval(), step)]
+        return {}, []
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:
         return self.ranks.grid(self.st, model, self.cfg.eval, self.seed, self.shift, f"heldout_iter_{step:05d}.png")
 
-    def save(self) -> Path | None:
-        """Checkpoint named by the iteration (``step_<iteration>``); None when the weights are not fit to
-        save (:meth:`pretrain.runtime.runtime.Runtime.save`)."""
-        return self.rt.save(self.step)
-
-    def finish(self) -> Path:
-        """Final held-out grid, ``lora/`` and the merged ``export/``; returns the export folder."""
+    def close(self) -> None:
+        """The scoring threads and the rollout engine (its workers) end before the final grid."""
         self.scorer.close()
         self.engine.close()
-        final = self.rt.sampling_model().eval()
-        if self.guard is not None:
-            self.guard.finish(final, self.logger)
-        grid = self.grid(final, self.step)
-        self.logger.write(f"grid: {grid}")
-        out = self.ranks.export(self.st, final)
-        self.logger.write(f"exported {out}")
-        self.logger.log_media(self.step, grid)
-        self.logger.close()
-        return out
 
 
 def train(cfg: GRPOConfig) -> Path:

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from posttrain.base.guard import Guard, guard_shape
+from posttrain.base.guard import Guard
 from posttrain.base.compile import compile_blocks
+from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig, StageEvalConfig
 from pretrain.config import ConfigError, require_positive
@@ -34,9 +35,6 @@ from pretrain.evaluation import heldout_loss
 from pretrain.models import count_parameters
 from pretrain.objective import FlowConfig, get_objective, objective_sigmas
 from pretrain.runtime.loop import run_stage
-from pretrain.runtime.metrics import MetricsLogger
-from pretrain.runtime.profiling import StepProfiler
-from pretrain.runtime.runtime import Runtime
 from pretrain.trainer import batch_arithmetic, train_step
 
 
@@ -102,7 +100,7 @@ def resolve_flow(flow: FlowConfig, meta: dict, export: str | Path) -> FlowConfig
     return FlowConfig(**{**asdict(flow), "objective": objective})
 
 
-class MidtrainRun:
+class MidtrainRun(PolicyRun):
     """One midtraining run, set up from ``cfg`` (export, policy, data, runtime, resume): a stage of
     :mod:`pretrain.runtime.loop`; :meth:`train_step` is one optimizer step of the pretraining objective.
     ``cfg.flow`` is resolved at start (:func:`resolve_flow`). Raises ``ConfigError`` for a
@@ -128,13 +126,8 @@ class MidtrainRun:
             compile_blocks(st.model)
         self.sampler = EpochSampler(len(st.train_set), cfg.train.seed)
         self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=None)
-        stateful = {"sampler": self.sampler, **({"reward_guard": self.guard} if self.guard else {})}
-        self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
-                               cfg.checkpoint.keep_last, stateful, shape={**st.policy.shape(), **guard_shape(cfg.guard)})
-        resumed = rt.start(cfg.checkpoint.resume)
-        self.profiler = StepProfiler(cfg.profile, st.run / "profile")
-        self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "heldout_loss"),
-                                    enabled=ranks.is_main)
+        resumed = self.start_runtime({"sampler": self.sampler}, headline=("loss", "heldout_loss"))
+        rt = self.rt
         mode = f"LoRA rank {cfg.policy.lora_rank}" if st.policy.lora else "full fine-tuning"
         self.logger.write(f"policy: {mode}, {n_trainable / 1e3:.1f} k trainable; objective {cfg.flow.objective} "
                           f"(cond_dropout {cfg.flow.cond_dropout}); data: {len(st.train_set)} train / "
@@ -143,8 +136,7 @@ class MidtrainRun:
         self.logger.write(batch_arithmetic(cfg.train, len(st.train_set), ranks.dp_size))
         if rt.step == 0:  # the starting export's held-out loss, the baseline of the curve
             self.logger.log(0, {"heldout_loss": self.heldout(st.model)}, advance=False)
-        if self.guard is not None:
-            self.guard.start(rt.sampling_model(), self.logger)
+        self.start_guard()
 
     @property
     def step(self) -> int:
@@ -173,18 +165,14 @@ class MidtrainRun:
                               f"({metrics['nonfinite_total']} so far)")
         return metrics
 
-    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
+    def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """Every ``eval.every`` steps and at the last: ``heldout_loss`` and (but at the last, whose grid
-        :meth:`finish` writes) a held-out grid; the guard's check every ``guard.every``."""
+        :meth:`finish` writes) a held-out grid."""
         e, model, out, media = self.cfg.eval, self.rt.sampling_model(), {}, []
         if last or (e.every and step % e.every == 0):
             out["heldout_loss"] = self.heldout(model)
             if not last:
                 media.append(self.grid(model, step))
-        if self.guard is not None:
-            checked, shown = self.guard.at_step(model, step, self.logger)
-            out.update(checked)
-            media += shown
         return out, media
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:
@@ -198,20 +186,6 @@ class MidtrainRun:
         finally:
             model.train(was_training)
 
-    def save(self) -> Path | None:
-        return self.rt.save()
-
-    def finish(self) -> Path:
-        final = self.rt.sampling_model().eval()
-        if self.guard is not None:
-            self.guard.finish(final, self.logger)
-        grid = self.grid(final, self.rt.step)
-        self.logger.write(f"grid: {grid}")
-        out = self.ranks.export(self.st, final)
-        self.logger.write(f"exported {out}")
-        self.logger.log_media(self.rt.step, grid)
-        self.logger.close()
-        return out
 
 
 def train(cfg: MidtrainConfig) -> Path:

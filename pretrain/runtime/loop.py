@@ -16,11 +16,33 @@ the stage ended (:mod:`pretrain.runtime.restarts`). A stage may also end early o
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Protocol
 
 from pretrain.runtime.guard import RunStopped
 
 
-def step_once(stage) -> dict:
+class StageRun(Protocol):
+    """What :func:`run_stage` and :func:`step_once` drive (``PretrainRun``; the post-training runs through
+    :class:`posttrain.base.run.PolicyRun`). ``cfg``: the stage config (``train.steps``, ``checkpoint.every``);
+    ``step``: stage steps done; ``logger`` (:class:`pretrain.runtime.metrics.MetricsLogger`); ``profiler``
+    (:class:`pretrain.runtime.profiling.StepProfiler`); ``rt`` (optional): the runtime; ``guard``
+    (optional, None when off): a reward-hacking guard with ``stopped``."""
+
+    cfg: Any
+    step: int
+    logger: Any
+    profiler: Any
+
+    def train_step(self) -> dict: ...
+
+    def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]: ...
+
+    def save(self) -> Path | None: ...
+
+    def finish(self) -> Path: ...
+
+
+def step_once(stage: StageRun) -> dict:
     """One step of ``stage``: train, evaluate what is due, log, checkpoint what is due. Returns the metrics."""
     cfg = stage.cfg
     with stage.profiler.step(stage.step + 1):
@@ -40,13 +62,13 @@ def step_once(stage) -> dict:
     return metrics
 
 
-def stopped(stage) -> str | None:
+def stopped(stage: StageRun) -> str | None:
     """The reason ``stage`` ended early (its guard's ``stopped``), or None."""
     guard = getattr(stage, "guard", None)
     return guard.stopped if guard is not None else None
 
 
-def run_stage(stage) -> Path:
+def run_stage(stage: StageRun) -> Path:
     """Run ``stage`` from where it stands (0, or a resumed step) to ``cfg.train.steps``; returns its export.
     On an exception the progress bar and wandb run are ended first (wandb marks the run failed), so the
     error is the last thing printed."""
