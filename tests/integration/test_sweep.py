@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from posttrain import sweep as sweep_mod
+from posttrain.tools import sweep as sweep_mod
 from posttrain.tools.sweep import run_sweep
 from posttrain.tools.sweep_config import SweepConfig, read_rows
 from posttrain.tools.sweep_report import mean_se, time_to
