@@ -266,6 +266,7 @@ class DPORun:
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful, shape={**st.policy.shape(), **guard_shape(cfg.guard)})
         resumed = rt.start(cfg.checkpoint.resume)
+        st.record(cfg)
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
         self.logger = MetricsLogger(st.run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg), ("loss", "implicit_acc"),
                                     enabled=ranks.is_main)

@@ -185,8 +185,10 @@ class GRPORun:
                                                                     **({"reward_guard": self.guard} if self.guard else {}),
                                                                     **self.parts.stateful(), **self.update.stateful(),
                                                                     **self.engine.stateful()},
-                               total_steps=cfg.train.steps * self.opt_per_iter, shape=shape)
+                               total_steps=cfg.train.steps * self.opt_per_iter, shape=shape,
+                               unit=("iteration", self.opt_per_iter))
         resumed = rt.start(cfg.checkpoint.resume)
+        st.record(cfg)
         self.step = rt.step // self.opt_per_iter
         self.latent_shape = st.codec.latent_shape(meta["image_size"], meta["image_size"])
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
