@@ -66,7 +66,7 @@ def guarded_write(what: str, final: Path, tmp: Path, kept: str):
     the folder, the error, the free space and ``kept`` (what stays as it was)."""
     try:
         yield
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         err = storage_oserror(e)
         if err is None:
             raise
