@@ -11,6 +11,7 @@ checked by :func:`pretrain.config.load_config` as before.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -44,12 +45,22 @@ def _unknown(tree: dict, parts: list[str]) -> str | None:
     """The message for the first component of ``parts`` that ``tree`` certainly does not have, or None."""
     for i, part in enumerate(parts):
         if part not in tree["fields"]:
-            return f"key '{'.'.join(parts[:i + 1])}': Key '{part}' not in '{tree['class']}'"
+            return f"key '{'.'.join(parts[:i + 1])}': Key '{part}' not in '{tree['class']}'{_suggest(part, tree)}"
         sub = tree["fields"][part]
         if not isinstance(sub, dict):
             return None  # a leaf (a type error is the full load's) or an open node
         tree = sub
     return None
+
+
+def _suggest(key: str, tree: dict) -> str:
+    """OmegaConf's "Did you mean" for ``key`` among the fields of ``tree`` (the same rule, so the early
+    check and the full load print the same line)."""
+    close = difflib.get_close_matches(key, list(tree["fields"]), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f". Did you mean: {close[0]!r}?" if len(close) == 1 else \
+        f". Did you mean one of: {', '.join(repr(k) for k in close)}?"
 
 
 def _paths(mapping, prefix: list[str]):
