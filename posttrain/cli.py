@@ -19,11 +19,20 @@ import sys
 from pathlib import Path
 
 
-def _stage(args) -> int:
-    from posttrain.stages import run_command
+KEYS = Path(__file__).with_name("config_keys.json")  # the stage schemas' key trees (pretrain.config_keys)
 
-    cfg, out = run_command(args.command, args.config, args.overrides, args.resume)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 wrote the export
+
+def _stage(args) -> int:
+    from pretrain.config_keys import check_keys
+
+    check_keys(KEYS, args.command, args.config, args.overrides)  # a typo in a key: answered before torch loads
+    from posttrain.stages import load_stage_config
+
+    stage, cfg = load_stage_config(args.command, args.config, args.overrides)
+    if stage.has_checkpoints() and _resuming(args.resume, [Path(cfg.run_dir) / args.command / "checkpoints"]):
+        cfg.checkpoint.resume = True
+    out = stage.train_fn()(cfg)
+    if _rank() == 0:  # under torchrun every rank returns; rank 0 wrote the export
         print(f"export: {out}")
     folder = Path(cfg.run_dir) / args.command
     if (folder / "metrics.jsonl").is_file():  # a training stage: its curves as report.md + PNG
@@ -33,11 +42,38 @@ def _stage(args) -> int:
     return 0
 
 
+def _resuming(resume: str | None, folders: list[Path]) -> bool:
+    """Whether to resume: ``--resume`` needs a complete checkpoint in one of ``folders`` (``ConfigError``,
+    exit 2, naming them when there is none); ``--resume=auto`` starts fresh then (and says so); a
+    torchrun restart counts as auto (the first attempt may have died before its first checkpoint)."""
+    if resume is None:
+        return False
+    from pretrain.config import ConfigError
+    from pretrain.runtime.checkpoint import CheckpointManager
+
+    if any(CheckpointManager(f).steps() for f in folders):
+        return True
+    where = ", ".join(str(f) for f in folders) + ("" if any(f.parent.parent.is_dir() for f in folders)
+                                                   else " (the run_dir does not exist)")
+    if resume == "auto" or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        if _rank() == 0:
+            print(f"--resume=auto: no checkpoint in {where}; starting a new run", file=sys.stderr)
+        return False
+    raise ConfigError(f"--resume: no checkpoint to resume from in {where}; drop --resume to start a new run, "
+                      f"or pass --resume=auto to start one when there is nothing to resume")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _pipeline(args) -> int:
     from posttrain.pipeline import PipelineConfig, run_pipeline
     from pretrain.config import load_config
 
-    result = run_pipeline(load_config(PipelineConfig, args.config, args.overrides), resume=args.resume)
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    folders = [Path(cfg.run_dir) / s.command / "checkpoints" for s in cfg.stages]
+    result = run_pipeline(cfg, resume=_resuming(args.resume, folders))
     print("exports: " + ", ".join(result["exports"]))
     return 0
 
@@ -84,9 +120,15 @@ def _sample(args) -> int:
     noise = initial_noise(len(args.prompts), codec.latent_shape(meta["image_size"], meta["image_size"]), args.seed, device=device)
     with torch.no_grad():
         latents = sample_latents(model, embeds.to(device), null.to(device), noise, steps, scale, s["shift"])
-    out = args.out or os.path.join(args.model, "..", "samples", f"sample_seed{args.seed}.png")
-    print(f"grid: {save_grid(codec.decode(latents), args.prompts, out)}")
+    out = args.out or Path(args.model).resolve().parent / "samples" / f"sample_seed{args.seed}.png"
+    print(f"grid: {shown_path(save_grid(codec.decode(latents), args.prompts, out))}")
     return 0
+
+
+def shown_path(path: str | Path) -> str:
+    """``path`` as printed: relative to the working folder when inside it, else absolute; never ``..``."""
+    path = Path(path).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _serve_reward(args) -> int:
@@ -137,18 +179,29 @@ def _positive(text: str) -> int:
     return value
 
 
+DESCRIPTION = ("Pretrain flow-matching image and video models, post-train them with RL (GRPO-family, DDPO) and "
+               "preference optimization (Diffusion-DPO), then sample, evaluate, report and curate, from YAML "
+               "configs. Exit codes: 0 success, 2 config/usage error (the message names the file and key), 1 run "
+               "failure.")
+RESUME_AUTO = "--resume=auto"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="posttrain", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
-    from posttrain.stages import STAGES
+    from posttrain.stages import STAGES, data_stages
 
     for name in [*STAGES, "pipeline"]:
         line = STAGES[name].help if name in STAGES else "chain stages, then evaluate"
         st = sub.add_parser(name, help=line + " from a YAML config")
         st.add_argument("config")
         st.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
-        st.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-        st.set_defaults(func=_pipeline if name == "pipeline" else _stage)
+        if name not in data_stages():  # a data stage has no checkpoints (it reuses an identical earlier output)
+            st.add_argument("--resume", action="store_const", const="yes", default=None,
+                            help="continue from the latest complete checkpoint; exit 2 when there is none. "
+                            f"{RESUME_AUTO}: continue if there is one, else start a new run")
+            st.add_argument("--resume-auto", dest="resume", action="store_const", const="auto", help=argparse.SUPPRESS)
+        st.set_defaults(func=_pipeline if name == "pipeline" else _stage, resume=None)
     sw = sub.add_parser("sweep", help="race algorithms on equal wall-clock with held-out probes; report + plots")
     sw.add_argument("config", help="sweep YAML (configs/sweep/*.yaml)")
     sw.add_argument("overrides", nargs="*", help="dotted overrides, e.g. seeds=[0] run_tasks=[jpeg]")
@@ -208,23 +261,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.config import ConfigError
-    from pretrain.data.folder import DatasetError
-    from pretrain.runtime.checkpoint import CheckpointError
-    from pretrain.runtime.guard import RunStopped
+    from pretrain.config import ConfigError  # light (omegaconf, yaml): torch loads with the command's modules
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(["--resume-auto" if a == RESUME_AUTO else a for a in argv])
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except ConfigError as e:  # every rank exits 2 under torchrun; rank 0 alone prints it
+        if _rank() == 0:
+            print(f"config error: {e}", file=sys.stderr)
+            _record_for_torchrun(f"config error: {e}")
         return 2
-    except (CheckpointError, DatasetError, FileNotFoundError, RunStopped, ValueError) as e:
+    except Exception as e:
+        if not _run_failure(e):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def _run_failure(e: Exception) -> bool:
+    """Whether ``e`` is a run failure the CLI reports in one line (exit 1) rather than with a traceback.
+    Its classes are looked up among the modules already loaded (an error of a module that never loaded
+    cannot have been raised), so that the CLI imports no torch of its own."""
+    names = {"pretrain.data.folder": "DatasetError", "pretrain.runtime.checkpoint": "CheckpointError",
+             "pretrain.runtime.guard": "RunStopped"}
+    kinds = (FileNotFoundError, ValueError, *(getattr(sys.modules[m], n) for m, n in names.items() if m in sys.modules))
+    return isinstance(e, kinds)
+
+
+def _record_for_torchrun(message: str) -> None:
+    """Under torchrun, write ``message`` to this rank's error file, so the launcher's failure summary
+    shows it (instead of "To enable traceback see ...") beside the rank's exit code."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -85,14 +85,20 @@ def data_stages() -> list[str]:
     return sorted(n for n in STAGES if STAGES[n].data)
 
 
-def run_command(command: str, config: str, overrides: list[str], resume: bool = False) -> tuple[object, Path]:
-    """Load stage ``command``'s config from ``config`` with ``overrides`` (``--resume`` adds
-    ``checkpoint.resume=true`` where the stage checkpoints) and run it to the end. Returns (the loaded
-    config, the export folder). ``ConfigError`` for a bad config, before anything loads."""
+def load_stage_config(command: str, config: str, overrides: list[str]) -> tuple[Stage, object]:
+    """(The stage row, its config loaded from ``config`` with ``overrides``). ``ValueError`` naming the
+    known stages; ``ConfigError`` for a bad config, before anything loads."""
     from pretrain.config import load_config
 
     stage = STAGES.get(command)
-    schema = stage.schema()
-    overrides = list(overrides) + (["checkpoint.resume=true"] if resume and has_checkpoints(schema) else [])
-    cfg = load_config(schema, config, overrides)
+    return stage, load_config(stage.schema(), config, overrides)
+
+
+def run_command(command: str, config: str, overrides: list[str], resume: bool = False) -> tuple[object, Path]:
+    """Load stage ``command``'s config (:func:`load_stage_config`) and run it to the end; ``resume`` continues
+    from its latest checkpoint where it has one (and starts fresh where none exists yet). Returns (the
+    loaded config, the export folder)."""
+    stage, cfg = load_stage_config(command, config, overrides)
+    if resume and stage.has_checkpoints():
+        cfg.checkpoint.resume = True
     return cfg, stage.train_fn()(cfg)

@@ -19,6 +19,7 @@ from pretrain.models import arch_of
 from pretrain.models.pipelines import load_pipeline, pipeline_class
 from pretrain.models.registry import pipeline_classes, pipeline_family
 from pretrain.runtime.low_precision import plain_weights
+from pretrain.runtime.storage import EXPORT_KEPT, guarded_write
 from pretrain.text_encoder import TextEncoderConfig, text_encoder_from_config
 
 META = "posttrain.json"
@@ -63,9 +64,10 @@ def export_model(transformer: torch.nn.Module, out_dir: str | Path, meta: Export
     out = Path(out_dir)
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with plain_weights(transformer):  # torchao's low-precision wrappers hold plain weights inside
-        transformer.save_pretrained(tmp, safe_serialization=True)
-    (tmp / META).write_text(json.dumps(meta.to_json(), indent=2))
+    with guarded_write("export", out, tmp, EXPORT_KEPT):
+        with plain_weights(transformer):  # torchao's low-precision wrappers hold plain weights inside
+            transformer.save_pretrained(tmp, safe_serialization=True)
+        (tmp / META).write_text(json.dumps(meta.to_json(), indent=2))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

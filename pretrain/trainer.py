@@ -150,8 +150,6 @@ class PretrainRun:
         configure_host(cfg.train, device)
         self.run = run = Path(cfg.run_dir) / "pretrain"
         run.mkdir(parents=True, exist_ok=True)
-        if ranks.is_main:
-            record_config(cfg, run, cfg.checkpoint.resume)
         encoder = text_encoder_from_config(cfg.text_encoder)
         self.train_set, self.held = build_datasets(cfg.data, encoder)
         self.null = encoder.encode([""]).to(device)
@@ -171,6 +169,8 @@ class PretrainRun:
         self.rt = rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
                                stateful={"sampler": self.sampler})
         resumed = rt.start(cfg.checkpoint.resume)
+        if ranks.is_main:  # once the start is accepted: a refused resume writes nothing
+            record_config(cfg, run, cfg.checkpoint.resume)
         self.profiler = StepProfiler(cfg.profile, run / "profile")
         self.logger = logger = MetricsLogger(run, cfg.train.steps, rt.step, cfg.wandb, asdict(cfg),
                                              ("loss", "heldout_loss"), enabled=ranks.is_main)

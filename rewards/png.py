@@ -58,6 +58,6 @@ def decode_png_b64(data: str, where: str = "image") -> torch.Tensor:
     try:
         with Image.open(io.BytesIO(raw)) as im:
             arr = np.asarray(im.convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"{where}: not a base64-encoded PNG ({e})") from e
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0

@@ -35,20 +35,23 @@ class PolicyRun:
     step: int
 
     def start_runtime(self, stateful: dict, *, headline: tuple[str, ...], shape: dict | None = None,
-                      optimizer_steps_per_step: int = 1) -> Path | None:
-        """Build the runtime (optimizer, scheduler over ``train.steps * optimizer_steps_per_step`` optimizer
-        steps; checkpoints under ``<run>/checkpoints`` holding ``stateful`` and the guard), resume when
-        ``checkpoint.resume`` (refused when ``shape``, the policy's and the guard's shape differ from the
-        checkpoint's), then the profiler and the metrics logger from the resumed stage step (``headline``:
-        the metrics its progress bar shows; rank 0 writes). Returns the checkpoint resumed from, or None."""
+                      unit: tuple[str, int] = ("step", 1)) -> Path | None:
+        """Build the runtime (optimizer; ``unit``: the stage step's name and its optimizer steps, the
+        scheduler running over ``train.steps`` of them; checkpoints under ``<run>/checkpoints`` holding
+        ``stateful`` and the guard), resume when ``checkpoint.resume`` (refused when ``shape``, the policy's
+        and the guard's shape differ from the checkpoint's), record the resolved config (only once the
+        start was accepted), then the profiler and the metrics logger from the resumed stage step
+        (``headline``: the metrics its progress bar shows; rank 0 writes). Returns the checkpoint resumed
+        from, or None."""
         cfg, st = self.cfg, self.st
         stateful = {**stateful, **({"reward_guard": self.guard} if self.guard is not None else {})}
         shape = {**(shape or {}), **st.policy.shape(), **guard_shape(cfg.guard)}
         self.rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints", cfg.checkpoint.keep_last,
-                          stateful=stateful, total_steps=cfg.train.steps * optimizer_steps_per_step, shape=shape)
+                          stateful=stateful, total_steps=cfg.train.steps * unit[1], shape=shape, unit=unit)
         resumed = self.rt.start(cfg.checkpoint.resume)
+        st.record(cfg)
         self.profiler = StepProfiler(cfg.profile, st.run / "profile")
-        self.logger = MetricsLogger(st.run, cfg.train.steps, self.rt.step // optimizer_steps_per_step, cfg.wandb,
+        self.logger = MetricsLogger(st.run, cfg.train.steps, self.rt.step // unit[1], cfg.wandb,
                                     asdict(cfg), headline, enabled=self.ranks.is_main)
         return resumed
 

@@ -41,15 +41,13 @@ class PolicyStage:
 
     @classmethod
     def setup(cls, cfg, name: str) -> "PolicyStage":
-        """From a stage config with ``run_dir``, ``model``, ``data``, ``policy`` and ``train`` fields.
-        Raises ``ConfigError`` if ``model.pretrained`` is not an export folder."""
+        """From a stage config with ``run_dir``, ``model``, ``data``, ``policy`` and ``train`` fields
+        (the config is recorded by :meth:`record`, after the runtime's start). Raises ``ConfigError`` if ``model.pretrained`` is not an export folder."""
         require_export(cfg.model.pretrained)
         device = resolve_device(cfg.train.device)
         configure_host(cfg.train, device)
         run = Path(cfg.run_dir) / name
         run.mkdir(parents=True, exist_ok=True)
-        if not dist.is_initialized() or dist.get_rank() == 0:  # one writer under torchrun
-            record_config(cfg, run, cfg.checkpoint.resume)
         model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device),
                                                     options=cfg.model.options)
         train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
@@ -58,6 +56,12 @@ class PolicyStage:
             torch.manual_seed(seed_for(cfg.train.seed, "init"))
             policy = Policy(model, cfg.policy)
         return cls(run, device, model, encoder, codec, meta, train_set, held, null, policy)
+
+    def record(self, cfg) -> None:
+        """Keep this start's config in the run folder (:func:`record_config`); called once the runtime
+        has started (resumed or not), so that a refused start writes nothing. One writer under torchrun."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            record_config(cfg, self.run, cfg.checkpoint.resume)
 
     def grid(self, model, eval_cfg, seed: int, shift: float, name: str) -> Path:
         """Held-out grid (``eval_cfg.grid_prompts``, ODE steps and guidance) into ``samples/name``."""

@@ -78,6 +78,8 @@ def load_preference_pairs(path: str | Path, size: int, ties: str = "drop", limit
     preference probabilities ``[P]`` (1, or 0.5 for ties), skipped {reason: [row ids]}). ``ties``:
     "drop" or "half" (keep with probability 0.5). Raises
     ``DatasetError`` naming the file if nothing usable remains."""
+    from PIL import Image
+
     from pretrain.extras import require
 
     load_dataset = require("datasets", "offline DPO pairs (offline.path)").load_dataset
@@ -107,7 +109,7 @@ def load_preference_pairs(path: str | Path, size: int, ties: str = "drop", limit
             continue
         try:
             a, b = _decode(row["jpg_0"], root, size), _decode(row["jpg_1"], root, size)
-        except (KeyError, OSError, ValueError, TypeError):
+        except (KeyError, OSError, ValueError, TypeError, Image.DecompressionBombError):
             skipped.setdefault("missing or unreadable image", []).append(rid)
             continue
         w, lo = (a, b) if label >= 0.5 else (b, a)

@@ -172,6 +172,17 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     return results
 
 
+def z_text(diff: float, se: float) -> str:
+    """The z of a paired difference as the table prints it: ``+2.3``; ``n/a`` when it is undefined (no
+    prompt, or one: no SE); with an SE of 0 (every prompt's difference equal, e.g. identical models or a
+    reward that cannot move), ``n/a (SE 0, no difference)`` or ``+inf (SE 0)``."""
+    if not (math.isfinite(diff) and math.isfinite(se)):
+        return "n/a"
+    if se == 0:
+        return "n/a (SE 0, no difference)" if diff == 0 else f"{'+' if diff > 0 else '-'}inf (SE 0)"
+    return f"{diff / se:+.1f}"
+
+
 def report_table(results: dict) -> str:
     """Markdown table: per reward, each model's mean and (vs model 0) paired diff +/- SE and z."""
     models = results["models"]
@@ -182,7 +193,7 @@ def report_table(results: dict) -> str:
         row = f"| {name} (mean) | " + " | ".join(f"{float(r.nanmean()):.4f}" for r in per_model)
         for other in per_model[1:]:
             d, se, _ = paired_stats(per_model[0], other)
-            row += f" | {d:+.4f} ({se:.4f}) | {d / se if se and se == se else float('nan'):+.1f}"
+            row += f" | {d:+.4f} ({se:.4f}) | {z_text(d, se)}"
         lines.append(row + " |")
     guard = results["guard"]
     row = "| guard: held-out flow-matching loss | " + " | ".join(f"{g:.4f}" for g in guard)

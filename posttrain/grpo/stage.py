@@ -183,8 +183,7 @@ class GRPORun(PolicyRun):
                  "grpo.inner_epochs": cfg.grpo.inner_epochs}
         resumed = self.start_runtime({"prompts": self.prompts, "signal": self.signal, **self.parts.stateful(),
                                       **self.update.stateful(), **self.engine.stateful()},
-                                     headline=("reward_mean", "kl"), shape=shape,
-                                     optimizer_steps_per_step=self.opt_per_iter)
+                                     headline=("reward_mean", "kl"), shape=shape, unit=("iteration", self.opt_per_iter))
         self.step = self.rt.step // self.opt_per_iter
         self.latent_shape = st.codec.latent_shape(meta["image_size"], meta["image_size"])
         model, policy = st.model, st.policy

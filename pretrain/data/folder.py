@@ -2,7 +2,7 @@
 
 Each line of ``captions.jsonl`` is ``{"file": "relative/path.png", "caption": "..."}``, UTF-8. A line that
 does not decode or parse, a ``file`` outside the folder (absolute, ``..`` or a link out of it), a corrupt
-or missing image or an empty caption is skipped and counted (one warning names the first few); an empty
+image (a decompression bomb included: a header claiming more pixels than Pillow's limit) or a missing image or an empty caption is skipped and counted (one warning names the first few); an empty
 result is an error.
 """
 
@@ -83,8 +83,8 @@ def load_image_folder(root: str | Path, size: int) -> tuple[torch.Tensor, list[s
             with Image.open(path) as im:
                 im.load()
                 rgba = im.convert("RGBA")
-        except (UnidentifiedImageError, OSError, ValueError):
-            skipped.setdefault("corrupt image", []).append(name)
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+            skipped.setdefault("corrupt image", []).append(name)  # a bomb: a header claiming too many pixels
             continue
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         rgb = Image.alpha_composite(white, rgba).convert("RGB").resize((size, size), Image.LANCZOS)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pretrain.models.registry import FAMILIES, Family, pipeline_classes, pipeline_family
+from pretrain.runtime.storage import EXPORT_KEPT, guarded_write
 
 META = "posttrain.json"
 
@@ -75,13 +76,14 @@ def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) 
     out, src, comp = Path(out_dir), Path(meta["source"]), meta["component"]
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, copy_function=_link_or_copy,
-                    ignore=lambda d, names: [n for n in names if Path(d) == src and n in (comp, META)])
-    denoiser.save_pretrained(tmp / comp, safe_serialization=True)
-    finalize = FAMILIES[meta["family"]].finalize_export
-    if finalize is not None:  # e.g. a replaced scheduler: the export must sample as the run did
-        finalize(tmp, meta)
-    (tmp / META).write_text(json.dumps({**meta, "source": str(out.resolve())}, indent=2))
+    with guarded_write("export", out, tmp, EXPORT_KEPT):
+        shutil.copytree(src, tmp, copy_function=_link_or_copy,
+                        ignore=lambda d, names: [n for n in names if Path(d) == src and n in (comp, META)])
+        denoiser.save_pretrained(tmp / comp, safe_serialization=True)
+        finalize = FAMILIES[meta["family"]].finalize_export
+        if finalize is not None:  # e.g. a replaced scheduler: the export must sample as the run did
+            finalize(tmp, meta)
+        (tmp / META).write_text(json.dumps({**meta, "source": str(out.resolve())}, indent=2))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -4,7 +4,8 @@ Layout: ``<run>/checkpoints/step_<N>/`` (a DCP folder, N the stage's step: see e
 ``shape.json``, the run settings a resume must keep, and ``manifest.json``, the size and SHA-256 of
 every file). A checkpoint is written to ``.tmp_step_<N>/``, its manifest computed from the written
 files, and renamed only once complete, so a crash mid-write never leaves a ``step_<N>`` folder that
-does not load; ``latest()`` ignores temp folders. ``verify()`` re-hashes a checkpoint against its
+does not load; ``latest()`` ignores temp folders. A full disk or a refused write is one line
+(:class:`pretrain.runtime.storage.StorageError`): the temp folder is removed, never renamed. ``verify()`` re-hashes a checkpoint against its
 manifest (bit rot, a truncated copy, a hand-edited shard), spreading the files over the ranks.
 """
 
@@ -22,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+
+from pretrain.runtime.storage import guarded_write
 
 _STEP = re.compile(r"^step_(\d+)$")
 SHAPE = "shape.json"
@@ -115,6 +118,15 @@ class CheckpointManager:
         ``shape`` (``{dotted config key: value}``, what a resume must not change) in ``shape.json``."""
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp_step_{step}"
+        latest = self.latest()
+        kept = f"the newest checkpoint stays {latest}" if latest else "no earlier checkpoint was touched"
+        with guarded_write("checkpoint", final, tmp, kept):
+            self._write(step, state, shape, final, tmp)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank looks for the checkpoint before rank 0 has renamed it
+        return final
+
+    def _write(self, step: int, state: dict, shape: dict | None, final: Path, tmp: Path) -> None:
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
@@ -135,9 +147,6 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             self._prune()
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # no rank looks for the checkpoint before rank 0 has renamed it
-        return final
 
     @staticmethod
     def verify(path: str | Path) -> str | None:

@@ -57,8 +57,10 @@ def step_once(stage: StageRun) -> dict:
         stage.logger.log_media(step, path)
     if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
         if stage.save() is None and last:
-            raise RunStopped(f"step {step}: the final weights are not fit to save (see the warning above), so "
-                             f"nothing is exported; the latest checkpoint is intact and --resume continues from it")
+            rt = getattr(stage, "rt", None)
+            then = rt.resume_hint() if rt is not None else "--resume continues from the newest checkpoint"
+            raise RunStopped(f"{rt.unit[0] if rt is not None else 'step'} {step}: the final weights are not fit to save (see the warning above), so "
+                             f"nothing is exported; {then}")
     return metrics
 
 

@@ -66,18 +66,21 @@ class Runtime:
     value}`` recorded with every checkpoint; resuming with a different value is refused
     (``ConfigError`` naming the key and both values). The world size and the learning-rate settings
     (restored with the optimizer and schedule state, so a new value would be ignored) are always part
-    of it."""
+    of it. ``unit``: (name, optimizer steps per unit) of the stage's log, e.g. ``("iteration", 4)``
+    for GRPO, so that a stop message names the step as the rest of the run's log counts it."""
 
     def __init__(self, model: torch.nn.Module, cfg: RuntimeConfig, optim: OptimConfig, device: torch.device,
                  checkpoint_dir: str | Path, keep_last: int = 2, stateful: dict[str, Stateful] | None = None,
-                 total_steps: int | None = None, shape: dict | None = None):
+                 total_steps: int | None = None, shape: dict | None = None, unit: tuple[str, int] = ("step", 1)):
         self.model, self.cfg, self.optim_cfg, self.device = model, cfg, optim, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optim)
         self.scheduler = build_lr_scheduler(self.optimizer, total_steps or cfg.steps, optim)
         self.precision = Precision(cfg.precision, device)
         self.ema = build_ema(model, cfg.ema_decay)
-        self.guard = NonFiniteGuard(cfg.max_nonfinite)
+        self.unit = unit
+        self.guard = NonFiniteGuard(cfg.max_nonfinite, self.step_label,
+                                    "steps" if unit == ("step", 1) else "optimizer steps", self.resume_hint)
         self.spikes = SpikeDetector(cfg.spike_window, cfg.spike_zscore)
         self.spikes_total = 0
         self.checkpoints = CheckpointManager(checkpoint_dir, keep_last)
@@ -193,6 +196,22 @@ class Runtime:
             return name
         return f"{name} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
+    def step_label(self, step: int) -> str:
+        """Optimizer step ``step`` as the stage's log names it: ``step 7``, or ``iteration 4 (optimizer
+        step 7)`` when a unit holds several optimizer steps."""
+        name, per = self.unit
+        if (name, per) == ("step", 1):
+            return f"step {step}"
+        return f"{name} {(step - 1) // per + 1} (optimizer step {step})"
+
+    def resume_hint(self) -> str:
+        """What ``--resume`` would continue from, named (never called intact unchecked)."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return "no checkpoint was written yet, so there is nothing to resume (rerun to start over)"
+        return (f"--resume continues from {latest}, the newest checkpoint (written from finite weights and "
+                f"optimizer state, and checked again on resume)")
+
     def sampling_model(self) -> torch.nn.Module:
         """The weights to sample and export with: EMA when enabled, else the trained model."""
         return self.ema.module if self.ema is not None else self.model
@@ -213,9 +232,11 @@ class Runtime:
         return state
 
     def unhealthy(self) -> str | None:
-        """Why the current weights must not be checkpointed, or None: the last step(s) were non-finite
-        and skipped (the weights produce non-finite losses), or a trainable parameter (or its EMA) holds
-        a non-finite value (named). Collective under a process group: every rank gets the same answer."""
+        """Why the current state must not be checkpointed (or resumed from), or None: the last step(s)
+        were non-finite and skipped (the weights produce non-finite losses), a trainable parameter (or
+        its EMA) holds a non-finite value, or the optimizer state (moments, learning rates) or the LR
+        schedule's state does (each named). Collective under a process group: every rank gets the same
+        answer."""
         reason = None
         if self.guard.consecutive:
             reason = f"the last {self.guard.consecutive} step(s) were non-finite and skipped"
@@ -223,13 +244,27 @@ class Runtime:
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
             if self.ema is not None:
                 named += [(f"ema.{n}", p) for n, p in self.ema.module.named_parameters() if p.requires_grad]
-            bad = next((n for n, p in named if not bool(torch.isfinite(getattr(p, "_local_tensor", p)).all())), None)
-            reason = None if bad is None else f"parameter {bad} holds non-finite values"
+            bad = next((n for n, p in named if not _finite(p)), None)
+            reason = f"parameter {bad} holds non-finite values" if bad is not None else self._bad_optim_state()
         if torch.distributed.is_initialized():
             flags = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(flags, reason)
             reason = next((r for r in flags if r), None)
         return reason
+
+    def _bad_optim_state(self) -> str | None:
+        """The first non-finite entry of the optimizer state (per-parameter moments, each group's
+        learning rate) or of the LR schedule's state, as a phrase naming it; None when all are finite."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for p, entries in self.optimizer.state.items():
+            bad = next((k for k, v in entries.items() if not _finite(v)), None)
+            if bad is not None:
+                return f"optimizer state {bad} of parameter {names.get(id(p), '?')} holds non-finite values"
+        bad = next((f"optimizer param group {i} {k}" for i, group in enumerate(self.optimizer.param_groups)
+                    for k in ("lr", "initial_lr") if not _finite(group.get(k, 0.0))), None)
+        if bad is None:
+            bad = _first_nonfinite(self.scheduler.state_dict(), "LR schedule state ")
+        return None if bad is None else f"{bad} is not finite"
 
     def save(self, step: int | None = None) -> Path | None:
         """Checkpoint the state as ``step_<step>`` (default: the optimizer step count). A checkpoint is
@@ -286,6 +321,8 @@ class Runtime:
             resume = True
         if resume:
             path = self.resume()
+            if path is None:
+                log.warning("nothing to resume in %s: starting from step 0", self.checkpoints.root)
             summary = self.attempt.begin(self.step, path)
             if summary:
                 log.warning(summary)
@@ -300,7 +337,7 @@ class Runtime:
         """Load the newest intact checkpoint if there is one; returns its path (None: no checkpoint).
 
         A checkpoint is intact when it matches its manifest (:meth:`CheckpointManager.verify`), loads,
-        and holds finite weights; one that is not is reported by path with the reason (a warning) and
+        and holds finite weights, optimizer and LR-schedule state (:meth:`unhealthy`); one that is not is reported by path with the reason (a warning) and
         the previous one is tried. Raises ``ConfigError`` (naming the key and both values) when the
         newest checkpoint was written by a run of another shape, and :class:`CheckpointError` naming
         every checkpoint tried when none is intact."""
@@ -326,3 +363,28 @@ class Runtime:
             raise CheckpointError(f"no intact checkpoint to resume from in {self.checkpoints.root} ("
                                   + "; ".join(tried) + "); start a new run_dir or restore a copy")
         return None
+
+
+def _finite(value) -> bool:
+    """Whether a tensor (this rank's shard of a DTensor) or a number holds only finite values; anything
+    else (an integer tensor, None, a string) counts as finite."""
+    if torch.is_tensor(value):
+        value = getattr(value, "_local_tensor", value)
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _first_nonfinite(tree, prefix: str) -> str | None:
+    """The dotted path (after ``prefix``) of the first non-finite number or tensor in a nest of dicts,
+    lists and tuples, or None."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return None if _finite(tree) else prefix.rstrip(". ")
+    for key, value in items:
+        bad = _first_nonfinite(value, f"{prefix}{key}.")
+        if bad is not None:
+            return bad
+    return None

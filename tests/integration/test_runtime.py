@@ -154,7 +154,8 @@ def test_consecutive_nans_stop_the_run_with_last_checkpoint_intact(tmp_path, mon
                  "train.steps=10", "train.max_nonfinite=2", "checkpoint.every=2", "eval.every=0"])
     assert code == 1
     err = capsys.readouterr().err
-    assert "non-finite loss" in err and "3 steps in a row" in err
+    assert "non-finite loss" in err and "3 steps in a row" in err and "intact" not in err
+    assert f"--resume continues from {tmp_path / 'pretrain/checkpoints/step_2'}, the newest checkpoint" in err
     assert "checkpoint step_4 not written: the last 2 step(s) were non-finite and skipped" in caplog.text
     ckpts = CheckpointManager(tmp_path / "pretrain/checkpoints")
     assert ckpts.steps() == [2]  # steps 3 and 4 were skipped, so step 4's weights were not saved; 5 stopped the run
@@ -199,3 +200,14 @@ def test_wandb_offline_mirrors_metrics_and_a_resume_continues_the_run(tmp_path):
     train(tiny_config(tmp_path, "train.steps=3", *args, "checkpoint.resume=true"))
     ids = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "pretrain/wandb").glob("offline-run-*")}
     assert ids == {run_id}  # the resumed start logs under the same wandb run id
+
+
+def test_a_refused_resume_writes_no_config_and_resume_auto_starts_fresh(tmp_path, capsys):
+    args = ["pretrain", str(ROOT / "configs/pretrain/emoji_tiny.yaml"), f"run_dir={tmp_path}", "train.steps=1",
+            "checkpoint.every=1", "eval.every=0"]
+    assert main([*args, "--resume=auto"]) == 0  # nothing to resume: a new run, said so
+    assert "--resume=auto: no checkpoint in" in capsys.readouterr().err
+    run = tmp_path / "pretrain"
+    assert main([*args, "optim.lr=0.5", "--resume"]) == 2  # the checkpoint's shape refuses another lr
+    assert "optim.lr: the checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config.yaml"]
