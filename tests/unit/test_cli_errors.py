@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.cli import KEYS, build_parser, main, shown_path
-from posttrain.evaluate import z_text
+from posttrain.eval.evaluate import z_text
 from pretrain.config import ConfigError, load_config
 from pretrain.config_keys import check_keys, key_tree
 from tests.conftest import ROOT
@@ -66,7 +66,7 @@ def test_yaml_syntax_errors_name_file_line_and_column(tmp_path, capsys):
 
 
 def test_rewards_block_is_replaced_with_tilde_and_a_merge_is_warned(caplog):
-    from posttrain.grpo import GRPOConfig
+    from posttrain.grpo.stage import GRPOConfig
 
     with caplog.at_level(logging.WARNING):
         merged = load_config(GRPOConfig, GRPO_TINY, ["rewards={jpeg_incompressibility: 1}"])

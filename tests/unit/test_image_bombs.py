@@ -11,7 +11,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from posttrain.dpo_data import load_preference_pairs
+from posttrain.dpo.data import load_preference_pairs
 from pretrain.data.folder import load_image_folder
 from rewards.png import decode_png_b64
 
