@@ -19,7 +19,7 @@ writes the grids and the export.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -89,7 +89,7 @@ class MidtrainConfig(StageConfig):
 
 
 def resolve_flow(flow: FlowConfig, meta: dict, export: str | Path) -> FlowConfig:
-    """``flow`` as a plain :class:`FlowConfig` whose ``objective`` is the export's recorded one
+    """``flow`` (its own class) whose ``objective`` is the export's recorded one
     (``meta["objective"]``, ``rectified_flow`` if none is recorded) when ``flow.objective`` is None.
     Raises ``ConfigError`` naming ``flow.objective`` when it is set and differs from the recorded one."""
     recorded = meta.get("objective")
@@ -97,7 +97,7 @@ def resolve_flow(flow: FlowConfig, meta: dict, export: str | Path) -> FlowConfig
         raise ConfigError(f"flow.objective: '{flow.objective}' differs from '{recorded}', the objective "
                           f"{export} was trained with (its posttrain.json); leave flow.objective unset")
     objective = flow.objective or recorded or "rectified_flow"
-    return FlowConfig(**{**asdict(flow), "objective": objective})
+    return replace(flow, objective=objective)
 
 
 class MidtrainRun(PolicyRun):

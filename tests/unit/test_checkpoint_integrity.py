@@ -208,7 +208,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_loses_nothing(tmp_path,
 
 def test_a_refused_write_of_an_export_is_one_line_and_keeps_the_previous_export(tmp_path):
     from pretrain.codec import CodecConfig
-    from pretrain.export import export_model
+    from pretrain.export import ExportMeta, export_model
     from pretrain.text_encoder import TextEncoderConfig
 
     class Denied(torch.nn.Module):
@@ -221,6 +221,6 @@ def test_a_refused_write_of_an_export_is_one_line_and_keeps_the_previous_export(
     (tmp_path / "export" / "old.txt").write_text("the previous export")
     with pytest.raises(StorageError, match=rf"^export {tmp_path / 'export'} not written: Permission denied \(.* free "
                                            rf"in {tmp_path}\); nothing was lost: the partial .tmp_export was removed"):
-        export_model(Denied(), tmp_path / "export", TextEncoderConfig(), CodecConfig(), 16, {})
+        export_model(Denied(), tmp_path / "export", ExportMeta(TextEncoderConfig(), CodecConfig(), 16, {}))
     assert (tmp_path / "export" / "old.txt").read_text() == "the previous export"
     assert not (tmp_path / ".tmp_export").exists()
