@@ -1,4 +1,4 @@
-"""Rewards on their own Ray actors (``reward_engine.engine: ray``, with ``rollout.engine: ray``): each
+"""Rewards on their own Ray actors (``reward_engine.engine: ray``, with ``engine.name: ray``): each
 actor builds the run's composite reward (``rewards:``) once and scores rollout results as they arrive,
 reading each result from Ray's object store itself (the trainer does not send the images again)."""
 
