@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,6 +61,11 @@ class GRPOConfig(StageConfig):
     rewards: dict[str, Any] = field(default_factory=dict)
     engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
     reward_engine: RewardEngineConfig = field(default_factory=RewardEngineConfig)
+
+    #: keys of earlier versions and where they live now (named in the unknown-key error)
+    moved_keys: ClassVar[dict[str, str]] = {"rollout.engine": "engine.name", **{
+        f"rollout.{k}": f"engine.{k}" for k in ("workers", "num_cpus", "num_gpus", "mode", "max_staleness",
+                                                 "ray_address", "weight_sync")}}
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

@@ -44,10 +44,16 @@ class RolloutEngineConfig:
                              f"{prefix}name: ray (the local engine samples on the trainer's own ranks)")
         if self.weight_sync not in ("object_store", "collective"):
             raise ValueError(f"{prefix}weight_sync: '{self.weight_sync}' is not one of object_store, collective")
-        if self.workers < 1:
-            raise ValueError(f"{prefix}workers: must be >= 1, got {self.workers}")
-        for key in ("num_cpus", "num_gpus"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{prefix}{key}: must be >= 0, got {getattr(self, key)}")
+        check_actors(self, prefix, "workers")
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError(f"{prefix}max_staleness: must be >= 1 in async mode, got {self.max_staleness}")
+
+
+def check_actors(cfg, prefix: str, count: str) -> None:
+    """``ValueError`` naming the key when ``cfg.<count>`` (how many Ray actors) is below 1 or an actor's
+    ``num_cpus`` / ``num_gpus`` is below 0."""
+    if getattr(cfg, count) < 1:
+        raise ValueError(f"{prefix}{count}: must be >= 1, got {getattr(cfg, count)}")
+    for key in ("num_cpus", "num_gpus"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{prefix}{key}: must be >= 0, got {getattr(cfg, key)}")

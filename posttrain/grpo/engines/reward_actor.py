@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.grpo.engines.config import check_actors
+
 
 @dataclass
 class RewardEngineConfig:
@@ -23,11 +25,7 @@ class RewardEngineConfig:
     def validate(self, prefix: str = "") -> None:
         if self.engine not in ("local", "ray"):
             raise ValueError(f"{prefix}engine: '{self.engine}' is not one of local, ray")
-        if self.actors < 1:
-            raise ValueError(f"{prefix}actors: must be >= 1, got {self.actors}")
-        for key in ("num_cpus", "num_gpus"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{prefix}{key}: must be >= 0, got {getattr(self, key)}")
+        check_actors(self, prefix, "actors")
 
 
 class RewardActor:
