@@ -108,8 +108,8 @@ def test_grpo_config_errors_exit_2_before_any_work(capsys, override, key):
     assert key in err and "emoji_tiny.yaml" in err
 
 
-@pytest.mark.parametrize("override,new", [("rollout.engine=ray", "engine.name"), ("rollout.workers=2", "engine.workers"),
-                                          ("rollout.mode=async", "engine.mode")])
+@pytest.mark.parametrize("override,new", [("rollout.engine=ray", "engine.name"),
+                                          ("rollout.workers=2", "engine.workers"), ("rollout.mode=async", "engine.mode")])
 def test_an_engine_key_under_rollout_is_unknown_and_names_its_new_key(capsys, override, new):
     code, err = run_cli(capsys, "grpo", GRPO_TINY, override)
     assert code == 2, err
