@@ -31,9 +31,9 @@ from pretrain.config import load_config  # noqa: E402
 from pretrain.runtime.loop import step_once  # noqa: E402
 from rewards.jpeg import jpeg_size_kb  # noqa: E402
 
-MODES = {"colocated": ["rollout.engine=local"],
-         "sync": ["rollout.engine=ray", "rollout.mode=sync"],
-         "one_step_off": ["rollout.engine=ray", "rollout.mode=one_step_off"]}
+MODES = {"colocated": ["engine.name=local"],
+         "sync": ["engine.name=ray", "engine.mode=sync"],
+         "one_step_off": ["engine.name=ray", "engine.mode=one_step_off"]}
 
 
 def slow_jpeg(images, prompts=None, metadata=None, latency: float = 0.5):
@@ -53,7 +53,7 @@ def tiny_export(root: Path) -> Path:
 def run_mode(mode: str, a, export: Path) -> dict:
     cfg = load_config(GRPOConfig, ROOT / a.config, [
         f"model.pretrained={export}", f"run_dir={tempfile.mkdtemp()}", "checkpoint.every=0", "eval.every=0",
-        f"train.steps={a.iterations + 1}", "train.threads=1", "rollout.workers=1", "rollout.num_cpus=1",
+        f"train.steps={a.iterations + 1}", "train.threads=1", "engine.workers=1", "engine.num_cpus=1",
         f"rollout.prompts_per_step={a.prompts}", f"rollout.batch_size={a.rollout_batch}",
         f"rollout.num_inference_steps={a.steps}", "grpo.old_log_prob=recompute", *MODES[mode]])
     cfg.rewards = {"benchmarks.rollout_workers:slow_jpeg": {"weight": 1.0, "latency": a.latency}}

@@ -28,10 +28,14 @@ class ConfigError(ValueError):
     """A config problem; ``str()`` names the file and the dotted key."""
 
 
-def _describe(e: OmegaConfBaseException) -> str:
+def _describe(e: OmegaConfBaseException, schema: type | None = None) -> str:
+    """The error naming its dotted key; with the key in ``schema.moved_keys`` (``{old: new}``, a class
+    attribute of a config that renamed keys), a hint naming the new key."""
     key = getattr(e, "full_key", None) or getattr(e, "key", None)
     msg = getattr(e, "msg", None) or str(e).splitlines()[0]
     msg = msg.splitlines()[0]
+    moved = getattr(schema, "moved_keys", {}).get(key)
+    msg += f" (it moved to '{moved}')" if moved else ""
     return f"key '{key}': {msg}" if key else msg
 
 
@@ -51,7 +55,7 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
         try:
             cfg = OmegaConf.merge(cfg, loaded or {})
         except OmegaConfBaseException as e:
-            raise ConfigError(f"{path}: {_describe(e)}") from e
+            raise ConfigError(f"{path}: {_describe(e, schema)}") from e
     for item in overrides:
         if item.startswith("~"):  # ~key.path removes a key (e.g. the previous part's option)
             _delete(cfg, item[1:].strip(), item)
@@ -66,11 +70,11 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] |
             _warn_if_merged(cfg, key.strip(), value, item, path)
             OmegaConf.update(cfg, key.strip(), value, merge=True)
         except (OmegaConfBaseException, TypeError, IndexError, yaml.YAMLError) as e:
-            raise ConfigError(f"command line: {_describe(e)} (in '{item}')") from e
+            raise ConfigError(f"command line: {_describe(e, schema)} (in '{item}')") from e
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{path or 'config'}: {_describe(e)}") from e
+        raise ConfigError(f"{path or 'config'}: {_describe(e, schema)}") from e
     try:
         validate(obj)
     except ValueError as e:

@@ -39,17 +39,10 @@ class RolloutConfig:
 
     Batch: ``prompts_per_step`` x ``group_size`` samples per iteration, sampled ``batch_size`` at a time.
 
-    Engine (:mod:`posttrain.grpo.engines`; not recorded on trajectories): ``engine`` ``local`` (every
-    trainer rank samples its share, the default) or ``ray`` (``workers`` Ray actors with ``num_cpus`` /
-    ``num_gpus`` each, in one placement group; ``ray_address`` or ``RAY_ADDRESS`` joins a running
-    cluster, else a local one is started); ``mode`` ``sync`` (on-policy), ``one_step_off`` (iteration
-    k + 1 samples while k trains) or ``async`` (up to ``max_staleness`` iterations ahead); the last two
-    need ``engine: ray``. ``weight_sync``: how a worker gets the weights after each update,
-    ``object_store`` (a packet put in Ray's object store once, fetched with a worker's next request) or
-    ``collective`` (broadcast in a gloo / NCCL process group of the trainer's rank 0 and the workers,
-    when every worker is idle). ``precision``: the autocast the rollout samples in (fp32 / bf16 / fp16;
-    None = ``train.precision``); a rollout in another precision than training records log-probs the
-    update does not reproduce, which ``grpo.old_log_prob: recompute`` absorbs."""
+    ``precision``: the autocast the rollout samples in (fp32 / bf16 / fp16; None = ``train.precision``);
+    a rollout in another precision than training records log-probs the update does not reproduce,
+    which ``grpo.old_log_prob: recompute`` absorbs. Where the samples are drawn (the rollout engine,
+    Ray workers) is the trainer's ``engine:`` block, not recorded on trajectories."""
 
     step: str = "sde"
     num_inference_steps: int = 10
@@ -65,14 +58,6 @@ class RolloutConfig:
     shared_initial_noise: bool = False
     sde_window: WindowConfig = field(default_factory=WindowConfig)
     ode_solver: str = "euler"
-    engine: str = "local"
-    workers: int = 2
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    mode: str = "sync"
-    max_staleness: int = 2
-    ray_address: str | None = None
-    weight_sync: str = "object_store"
     precision: str | None = None
 
     def validate(self, prefix: str = "") -> None:
@@ -86,7 +71,9 @@ class RolloutConfig:
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"{prefix}shift: must be > 0 (or null for the export's), got {self.shift}")
         get_ode_solver(self.ode_solver, f"{prefix}ode_solver")
-        self.check_engine(prefix)
+        if self.precision not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16 (or null: "
+                             f"train.precision)")
         if getattr(step, "deterministic", False):  # every transition is taken by ode_solver: nothing stochastic
             if self.sde_window.size:
                 raise ValueError(f"{prefix}sde_window: step '{self.step}' is deterministic: no transition is "
@@ -109,30 +96,3 @@ class RolloutConfig:
         if self.sde_window.size and self.timestep_selection != "first":
             raise ValueError(f"{prefix}timestep_selection: with an sde_window the window's transitions are "
                              f"trained; '{self.timestep_selection}' does not apply")
-
-    def check_engine(self, prefix: str = "") -> None:
-        """``ValueError`` naming the key for an unknown engine or mode, a mode the engine cannot run,
-        or resources out of range."""
-        if self.engine not in ("local", "ray"):
-            raise ValueError(f"{prefix}engine: '{self.engine}' is not one of local, ray")
-        if self.mode not in ("sync", "one_step_off", "async"):
-            raise ValueError(f"{prefix}mode: '{self.mode}' is not one of sync, one_step_off, async")
-        if self.engine == "ray":
-            from pretrain.extras import require
-
-            require("ray", f"{prefix}engine: ray")
-        if self.mode != "sync" and self.engine != "ray":
-            raise ValueError(f"{prefix}mode: '{self.mode}' samples while the trainer trains, which needs "
-                             f"{prefix}engine: ray (the local engine samples on the trainer's own ranks)")
-        if self.weight_sync not in ("object_store", "collective"):
-            raise ValueError(f"{prefix}weight_sync: '{self.weight_sync}' is not one of object_store, collective")
-        if self.precision not in (None, "fp32", "bf16", "fp16"):
-            raise ValueError(f"{prefix}precision: '{self.precision}' is not one of fp32, bf16, fp16 (or null: "
-                             f"train.precision)")
-        if self.workers < 1:
-            raise ValueError(f"{prefix}workers: must be >= 1, got {self.workers}")
-        for key in ("num_cpus", "num_gpus"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{prefix}{key}: must be >= 0, got {getattr(self, key)}")
-        if self.mode == "async" and self.max_staleness < 1:
-            raise ValueError(f"{prefix}max_staleness: must be >= 1 in async mode, got {self.max_staleness}")

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from posttrain.grpo.old_policy import OldPolicy
-from posttrain.grpo.perf import PerfConfig, apply_preset
+from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model
 from pretrain.flow import interpolate
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
@@ -153,7 +153,7 @@ class ForwardProcessUpdate:
         policy (its LoRA-merged copy with ``perf.merge_lora``)."""
         if self.old is not None and getattr(self.parts.loss, "rollout_with_old", False):
             return self.old.model
-        return policy.inference_model(version) if self.perf.merge_lora else policy.model
+        return no_grad_model(self.perf, policy, version)
 
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
                  transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:

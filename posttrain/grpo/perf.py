@@ -126,8 +126,15 @@ def resolve_perf(perf: PerfConfig, precision: str, distributed: bool, lora: bool
 
 
 def records_uncond(perf: PerfConfig, detach_uncond: bool, guidance_scale: float) -> bool:
-    """Whether the rollout keeps its unconditional velocities and the update reuses them."""
+    """Whether the update reuses unconditional velocities a rollout recorded (and so whether a rollout
+    drawn with the update's weights and precision keeps them: :func:`posttrain.grpo.actor.record_uncond`)."""
     return perf.reuse_rollout_uncond and detach_uncond and not perf.uncond_in_batch and guidance_scale != 1.0
+
+
+def no_grad_model(perf: PerfConfig, policy, version: int) -> torch.nn.Module:
+    """The module no-grad forwards of ``policy`` (a :class:`posttrain.base.policy.Policy`) run on: its
+    LoRA-merged copy refreshed at ``version`` with ``perf.merge_lora`` (resolved), else the policy itself."""
+    return policy.inference_model(version) if perf.merge_lora else policy.model
 
 
 def compile_decoder(codec: object) -> bool:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from posttrain.grpo.actor import build_rollout_actor
 from posttrain.grpo.ranks import RankLayout
-from posttrain.grpo.engines import build_engine
+from posttrain.grpo.engines import ENGINES
+from posttrain.grpo.engines.config import RolloutEngineConfig
 from posttrain.grpo.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo.update import GRPOAlgorithmConfig
 from posttrain.base.guard import Guard, group_diversity
@@ -47,16 +49,24 @@ class GRPOConfig(StageConfig):
     ``rollout``: the sampler (:class:`rollout.config.RolloutConfig`); ``grpo``: the algorithm's
     registered parts (:class:`posttrain.grpo.update.GRPOAlgorithmConfig`); ``rewards``:
     ``{name: weight}`` (required; dict values from the command line merge into the file's, so switch
-    a reward off with weight 0); ``reward_engine``: where they are scored
-    (:class:`posttrain.grpo.engines.reward_actor.RewardEngineConfig`); ``perf``: GRPO's speed options, which
-    leave the numbers unchanged (:class:`posttrain.grpo.perf.PerfConfig`). Outputs go to ``<run_dir>/grpo/``."""
+    a reward off with weight 0); ``engine``: where the rollout samples (the local ranks or Ray workers,
+    :class:`posttrain.grpo.engines.config.RolloutEngineConfig`); ``reward_engine``: where the rewards are
+    scored (:class:`posttrain.grpo.engines.reward_actor.RewardEngineConfig`); ``perf``: GRPO's speed options,
+    which leave the numbers unchanged (:class:`posttrain.grpo.perf.PerfConfig`). Outputs go to
+    ``<run_dir>/grpo/``."""
 
     run_dir: str = "runs/grpo"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOAlgorithmConfig = field(default_factory=GRPOAlgorithmConfig)
     rewards: dict[str, Any] = field(default_factory=dict)
+    engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
     reward_engine: RewardEngineConfig = field(default_factory=RewardEngineConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+
+    #: keys of earlier versions and where they live now (named in the unknown-key error)
+    moved_keys: ClassVar[dict[str, str]] = {"rollout.engine": "engine.name", **{
+        f"rollout.{k}": f"engine.{k}" for k in ("workers", "num_cpus", "num_gpus", "mode", "max_staleness",
+                                                 "ray_address", "weight_sync")}}
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
@@ -97,18 +107,18 @@ def check_engine(cfg: GRPOConfig) -> None:
     """``ValueError`` naming the keys when the rollout engine, its mode and the old log-probs do not go
     together: stale samples are corrected against recomputed old log-probs; the forward-process losses
     sample with their own copies and stay on the local engine."""
-    ro, g = cfg.rollout, cfg.grpo
+    eng, g = cfg.engine, cfg.grpo
     needs_log_probs = getattr(g.build().loss, "needs_log_probs", True)
-    if ro.engine == "ray" and getattr(g.build().loss, "update_class", None) is not None:
-        raise ValueError(f"rollout.engine: ray trains the per-transition log-prob losses; grpo.loss.name "
-                         f"'{g.loss['name']}' samples with its own copy of the policy: use rollout.engine: local")
-    if cfg.reward_engine.engine == "ray" and ro.engine != "ray":
+    if eng.name == "ray" and getattr(g.build().loss, "update_class", None) is not None:
+        raise ValueError(f"engine.name: ray trains the per-transition log-prob losses; grpo.loss.name "
+                         f"'{g.loss['name']}' samples with its own copy of the policy: use engine.name: local")
+    if cfg.reward_engine.engine == "ray" and eng.name != "ray":
         raise ValueError("reward_engine.engine: ray scores the rollout workers' results as they arrive; set "
-                         "rollout.engine: ray (or reward_engine.engine: local)")
+                         "engine.name: ray (or reward_engine.engine: local)")
     if g.old_log_prob == "recompute" and not needs_log_probs:
         raise ValueError(f"grpo.old_log_prob: recompute applies to log-prob losses, not '{g.loss['name']}'")
-    if ro.mode != "sync" and g.rollout_correction.mode != "none" and g.old_log_prob != "recompute":
-        raise ValueError(f"rollout.mode: {ro.mode} corrects stale samples by pi_old / pi_behaviour: set "
+    if eng.mode != "sync" and g.rollout_correction.mode != "none" and g.old_log_prob != "recompute":
+        raise ValueError(f"engine.mode: {eng.mode} corrects stale samples by pi_old / pi_behaviour: set "
                          f"grpo.old_log_prob: recompute (or grpo.rollout_correction.mode: none)")
 
 
@@ -175,7 +185,12 @@ class GRPORun(PolicyRun):
         self.scorer = AsyncScorer(self.rewards, self.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
         self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
-        self.engine = build_engine(self)
+        self.actor = build_rollout_actor(cfg, self.perf, policy=st.policy, sampling_model=self.sampling_model,
+                                         sampler=self.sampler, codec=st.codec, prompts=st.train_set,
+                                         image_size=meta["image_size"], device=st.device)
+        self.engine = ENGINES.get(cfg.engine.name)(
+            cfg=cfg, perf=self.perf, actor=self.actor, prompts=self.prompts, ranks=ranks, rewards=self.rewards,
+            scorer=self.scorer, policy=st.policy, log=lambda line: self.logger.write(line))
         compile_models(self.perf, st.policy, st.codec, blocks=not ranks.distributed)  # torchrun: shard() did
         shape = {"rollout.group_size": ro.group_size, "rollout.prompts_per_step": ro.prompts_per_step,
                  # they set the optimizer steps per iteration, from which a resume counts iterations
@@ -185,7 +200,6 @@ class GRPORun(PolicyRun):
                                       **self.update.stateful(), **self.engine.stateful()},
                                      headline=("reward_mean", "kl"), shape=shape, unit=("iteration", self.opt_per_iter))
         self.step = self.rt.step // self.opt_per_iter
-        self.latent_shape = st.codec.latent_shape(meta["image_size"], meta["image_size"])
         model, policy = st.model, st.policy
         self.logger.write(
             f"policy: {count_parameters(model, trainable_only=True) / 1e3:.1f} k trainable of "

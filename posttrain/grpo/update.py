@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from posttrain.grpo.perf import PerfConfig, apply_preset, records_uncond
+from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model, records_uncond
 from posttrain.objectives.rollout_correction import CorrectionConfig, correction_weights
 from pretrain.seeding import generator_for
 from rollout.branches import CFGBranches
@@ -35,7 +35,7 @@ class GRPOAlgorithmConfig:
     the update, so the first ratio is 1 whatever kernels, batch size or precision the rollout ran
     with; costs one no-grad forward per trained transition). ``rollout_correction``
     (:class:`posttrain.objectives.rollout_correction.CorrectionConfig`): how samples of an older policy version are
-    weighted (``rollout.mode`` one_step_off / async)."""
+    weighted (``engine.mode`` one_step_off / async)."""
 
     inner_epochs: int = 1
     detach_uncond: bool = True
@@ -149,7 +149,7 @@ class GRPOUpdate:
     def rollout_model(self, policy, version: int) -> torch.nn.Module:
         """The module to sample rollouts with: the policy, or its LoRA-merged copy (``perf.merge_lora``)
         refreshed at ``version`` (the optimizer step)."""
-        return policy.inference_model(version) if self.perf.merge_lora else policy.model
+        return no_grad_model(self.perf, policy, version)
 
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
                  transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Rollout correction for samples drawn by an older policy (``rollout.mode: one_step_off`` / ``async``).
+"""Rollout correction for samples drawn by an older policy (``engine.mode: one_step_off`` / ``async``).
 
 The rollout's log-probs are the behaviour policy's, mu (the weights a worker held when it sampled).
 The PPO ratio is taken against pi_old, the policy at the start of the update, recomputed in training

@@ -17,7 +17,7 @@ def test_two_torchrun_ranks_train_on_two_ray_workers(tiny_export, tmp_path):
     run = tmp_path / "ray"
     proc = _launch(["grpo", "configs/grpo/emoji_tiny.yaml", f"model.pretrained={tiny_export}", f"run_dir={run}",
                     "train.steps=2", "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0",
-                    "rollout.engine=ray", "rollout.workers=2"], timeout=600)
+                    "engine.name=ray", "engine.workers=2"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
     assert "ranks: world 2" in out and "rollout engine: ray, 2 workers" in out

@@ -102,7 +102,7 @@ def test_a_rollout_worker_takes_the_trainers_module_rewrites_and_compiled_layout
 
     cfg = grpo_config(tmp_path, tiny_export, "perf.compile=true", "train.steps=1", "data.limit=8")
     perf = resolve_perf(cfg.perf, cfg.train.precision, False)
-    threads = torch.get_num_threads()  # the worker sets rollout.num_cpus threads in its (here: this) process
+    threads = torch.get_num_threads()  # the worker sets engine.num_cpus threads in its (here: this) process
     try:
         worker = RolloutWorker(cfg, perf, record_uncond=False, index=0)
     finally:

@@ -16,7 +16,7 @@ from pretrain.runtime.loop import run_stage  # noqa: E402
 from pretrain.runtime.metrics import read_metrics  # noqa: E402
 from tests.conftest import grpo_config  # noqa: E402
 
-RAY = ("rollout.engine=ray", "rollout.workers=2", "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0")
+RAY = ("engine.name=ray", "engine.workers=2", "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
                                   "checkpoint.every=0")))
     la = _lora(tmp_path / "local2")
     for sync in ("object_store", "collective"):  # the collective path: a gloo group of the trainer and workers
-        run_stage(GRPORun(grpo_config(tmp_path / sync, tiny_export, *RAY, f"rollout.weight_sync={sync}")))
+        run_stage(GRPORun(grpo_config(tmp_path / sync, tiny_export, *RAY, f"engine.weight_sync={sync}")))
         lb = _lora(tmp_path / sync)
         assert la.keys() == lb.keys()
         diff = max((la[k] - lb[k]).abs().max().item() for k in la)
@@ -73,7 +73,7 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
     args = ("train.threads=1", "eval.grid_prompts=4", "checkpoint.every=1")
     run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=1")))
     run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=2", "checkpoint.resume=true",
-                                  "rollout.engine=ray", "rollout.workers=2")))
+                                  "engine.name=ray", "engine.workers=2")))
     lc = _lora(tmp_path / "switch")
     assert max((la[k] - lc[k]).abs().max().item() for k in la) <= 1e-6
 
@@ -82,8 +82,8 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
 def test_stale_modes_keep_staleness_within_bound_with_a_slow_worker(tiny_export, tmp_path, ray_cluster,
                                                                      monkeypatch, mode, k, capsys):
     monkeypatch.setenv("POSTTRAIN_SLOW_WORKER", "1:0.3")
-    run = GRPORun(grpo_config(tmp_path / mode, tiny_export, *RAY, "train.steps=4", f"rollout.mode={mode}",
-                              "rollout.max_staleness=2", "rollout.batch_size=4", "grpo.old_log_prob=recompute"))
+    run = GRPORun(grpo_config(tmp_path / mode, tiny_export, *RAY, "train.steps=4", f"engine.mode={mode}",
+                              "engine.max_staleness=2", "rollout.batch_size=4", "grpo.old_log_prob=recompute"))
     run_stage(run)
     records = read_metrics(tmp_path / mode / "grpo" / "metrics.jsonl")
     staleness = [r["staleness_max"] for r in records]
@@ -106,7 +106,7 @@ def test_a_worker_killed_mid_iteration_is_replaced_and_no_sample_is_lost(tiny_ex
                                                                           monkeypatch, sync):
     monkeypatch.setenv("POSTTRAIN_SLOW_WORKER", "0:2.0")
     run = GRPORun(grpo_config(tmp_path / "kill", tiny_export, *RAY, "rollout.batch_size=4",
-                              f"rollout.weight_sync={sync}"))
+                              f"engine.weight_sync={sync}"))
     killed = threading.Event()
 
     def kill_when_busy():

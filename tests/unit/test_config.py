@@ -98,11 +98,22 @@ GRPO_TINY = str(ROOT / "configs/grpo/emoji_tiny.yaml")
     ("optim.schedule=linear", "optim.schedule"),
     ("model.pretrained=null", "model.pretrained"),
     ("train.precision=fp8", "train.precision"),
+    ("engine.name=spark", "engine.name"),
+    ("engine.mode=one_step_off", "engine.mode"),  # the local engine samples on the trainer's ranks
+    ("engine.workers=0", "engine.workers"),
 ])
 def test_grpo_config_errors_exit_2_before_any_work(capsys, override, key):
     code, err = run_cli(capsys, "grpo", GRPO_TINY, override)
     assert code == 2, err
     assert key in err and "emoji_tiny.yaml" in err
+
+
+@pytest.mark.parametrize("override,new", [("rollout.engine=ray", "engine.name"),
+                                          ("rollout.workers=2", "engine.workers"), ("rollout.mode=async", "engine.mode")])
+def test_an_engine_key_under_rollout_is_unknown_and_names_its_new_key(capsys, override, new):
+    code, err = run_cli(capsys, "grpo", GRPO_TINY, override)
+    assert code == 2, err
+    assert f"key '{override.partition('=')[0]}'" in err and f"moved to '{new}'" in err
 
 
 def _schema_and_config(command):

@@ -13,7 +13,7 @@ def test_an_unreachable_ray_address_is_refused_naming_the_key():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    with pytest.raises(ConnectionError, match=r"rollout.ray_address / RAY_ADDRESS '127.0.0.1:\d+': no Ray cluster"):
+    with pytest.raises(ConnectionError, match=r"engine.ray_address / RAY_ADDRESS '127.0.0.1:\d+': no Ray cluster"):
         check_reachable(f"127.0.0.1:{port}", timeout_s=2)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -1,11 +1,15 @@
 """Rollout engines: what produces an iteration's trajectories and rewards for the GRPO trainer.
 
-``rollout.engine: local`` (:class:`posttrain.grpo.engines.local.LocalEngine`): every trainer rank samples its
-own share and scores it, as flow_grpo and DanceGRPO do. ``rollout.engine: ray``
-(:class:`posttrain.grpo.engines.ray_engine.RayEngine`): rollout workers (Ray actors, each an inference copy
-of the policy and the sampler) sample requests sent by the trainer's rank 0 and get the weights after
-each iteration's update; ``rollout.mode`` sync / one_step_off / async sets how far sampling runs ahead
-of training. Both return a :class:`RolloutBatch`.
+``engine.name: local`` (:class:`posttrain.grpo.engines.local.LocalEngine`): every trainer rank samples its
+own share with its :class:`rollout.actor.RolloutActor` and scores it, as flow_grpo and DanceGRPO do.
+``engine.name: ray`` (:class:`posttrain.grpo.engines.ray_engine.RayEngine`): rollout workers (Ray actors,
+each an inference copy of the policy and a rollout actor of its own) sample requests sent by the
+trainer's rank 0 and get the weights after each iteration's update; ``engine.mode`` sync / one_step_off
+/ async sets how far sampling runs ahead of training. Both return a :class:`RolloutBatch`.
+
+An engine is built from its collaborators, passed as keyword arguments (never the trainer):
+``ENGINES.get(cfg.engine.name)(cfg=..., perf=..., actor=..., prompts=..., ranks=..., rewards=...,
+scorer=..., policy=..., log=...)``; each takes the ones it needs.
 """
 
 from __future__ import annotations
@@ -33,12 +37,6 @@ class RolloutBatch:
     metrics: dict = field(default_factory=dict)
 
 
-#: ``rollout.engine`` names; lazy entries, so Ray is imported only when asked for.
+#: ``engine.name`` names; lazy entries, so Ray is imported only when asked for.
 ENGINES = Registry("rollout engine", {"local": "posttrain.grpo.engines.local:LocalEngine",
-                                      "ray": "posttrain.grpo.engines.ray_engine:RayEngine"}, key="rollout.engine")
-
-
-def build_engine(run):
-    """The engine ``run.cfg.rollout.engine`` names (:data:`ENGINES`, imported on use: Ray only when
-    asked for), for a :class:`posttrain.grpo.stage.GRPORun`."""
-    return ENGINES.get(run.cfg.rollout.engine)(run)
+                                      "ray": "posttrain.grpo.engines.ray_engine:RayEngine"}, key="engine.name")

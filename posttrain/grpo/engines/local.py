@@ -1,49 +1,43 @@
-"""``rollout.engine: local``: the colocated rollout. Every data-parallel rank samples its contiguous share
-of the iteration's prompt groups (noise keyed by the global sample index), scores each batch while the
-next one samples, and the rewards are all-gathered so every rank holds all of them."""
+"""``engine.name: local``: the colocated rollout. Every data-parallel rank samples its contiguous share
+of the iteration's prompt groups with its :class:`rollout.actor.RolloutActor` (noise keyed by the global
+sample index), scores each batch while the next one samples, and the rewards are all-gathered so every
+rank holds all of them."""
 
 from __future__ import annotations
 
 import time
 
 from posttrain.grpo.engines import RolloutBatch
-from posttrain.grpo.perf import records_uncond
-from pretrain.runtime.precision import Precision
-from rollout.timed_codec import TimedCodec
 
 
 class LocalEngine:
-    """The colocated engine of a :class:`posttrain.grpo.stage.GRPORun` (samples with ``run.sampling_model()``)."""
+    """The colocated engine. ``cfg``: the run's :class:`posttrain.grpo.stage.GRPOConfig` (its
+    ``rollout.prompts_per_step`` / ``group_size``); ``actor``: the rank's rollout actor; ``prompts``: the
+    run's :class:`pretrain.data.dataset.EpochSampler` (every rank draws the same); ``ranks``: the
+    :class:`posttrain.grpo.ranks.RankLayout`; ``scorer``: the :class:`rewards.scoring.AsyncScorer` each
+    batch is submitted to. Other collaborators offered to every engine are ignored."""
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, *, cfg, actor, prompts, ranks, scorer, **_):
+        self.ro, self.actor, self.prompts, self.ranks, self.scorer = cfg.rollout, actor, prompts, ranks, scorer
 
     def stateful(self) -> dict:
         return {}
 
     def collect(self, iteration: int) -> RolloutBatch:
         """Draw the iteration's prompts, sample and score this rank's share, gather the rewards."""
-        run = self.run
-        cfg, ro, st = run.cfg, run.cfg.rollout, run.st
+        ro, ranks, scorer = self.ro, self.ranks, self.scorer
         t0 = time.perf_counter()
-        model, codec = run.sampling_model().eval(), TimedCodec(st.codec)
-        st.model.eval()
         # every rank draws the same prompts and samples its share, noise keyed by global sample index
-        picked = run.prompts.next(ro.prompts_per_step)
-        mine, offset = run.ranks.prompt_share(picked, ro.group_size)
-        precision = ro.precision or cfg.train.precision
-        with Precision(precision, st.device).autocast():  # default: the update's, so the ratio starts at 1
-            traj = run.sampler.rollout(
-                model, codec, st.train_set, mine, latent_shape=run.latent_shape, seed=run.seed, iteration=iteration,
-                device=st.device, sample_offset=offset,
-                on_batch=lambda b: run.scorer.submit(b.images, b.prompts, {"sample_ids": b.sample_ids}),
-                record_uncond=records_uncond(run.perf, cfg.grpo.detach_uncond, ro.guidance_scale)
-                and precision == cfg.train.precision)  # reused in training only when computed alike
+        picked = self.prompts.next(ro.prompts_per_step)
+        mine, offset = ranks.prompt_share(picked, ro.group_size)
+        traj = self.actor.rollout(mine, iteration=iteration, sample_offset=offset,
+                                  on_batch=lambda b: scorer.submit(b.images, b.prompts, {"sample_ids": b.sample_ids}))
         t1 = time.perf_counter()
-        total, raw, group_ids = run.ranks.gather(*run.scorer.gather(), traj.group_ids)  # all ranks' samples
+        decode = self.actor.decode_seconds
+        total, raw, group_ids = ranks.gather(*scorer.gather(), traj.group_ids)  # all ranks' samples
         return RolloutBatch(picked, traj, total, raw, group_ids,
-                            {"time_rollout_s": t1 - t0 - codec.seconds, "time_decode_s": codec.seconds,
-                             "time_reward_wait_s": run.scorer.wait_seconds, "time_gather_s": time.perf_counter() - t1})
+                            {"time_rollout_s": t1 - t0 - decode, "time_decode_s": decode,
+                             "time_reward_wait_s": scorer.wait_seconds, "time_gather_s": time.perf_counter() - t1})
 
     def trained(self, version: int) -> dict:
         """Called after each iteration's update (``version`` = iterations trained): nothing to sync."""

@@ -1,4 +1,4 @@
-"""``rollout.engine: ray``: rollout workers on Ray, driven by the trainer's rank 0.
+"""``engine.name: ray``: rollout workers on Ray, driven by the trainer's rank 0.
 
 Each iteration's samples are split into requests of ``rollout.batch_size`` (the colocated batches:
 sample ids ``[b * batch_size, ...)``, noise keyed by them), queued to the workers of a
@@ -7,7 +7,7 @@ order; under ``torchrun`` rank 0 broadcasts the iteration and each rank keeps it
 After each update the trainable weights are published as a versioned packet (every rank builds it:
 FSDP2 gathers are collectives; rank 0 puts it in Ray's object store).
 
-How far sampling runs ahead (``rollout.mode``): ``sync`` queues iteration k after the weights of k
+How far sampling runs ahead (``engine.mode``): ``sync`` queues iteration k after the weights of k
 iterations are published (on-policy: exactly the colocated samples); ``one_step_off`` queues k + 1
 while k trains; ``async`` keeps ``max_staleness`` iterations queued ahead and idle workers take the
 next request with the newest weights, so a sample's staleness (iterations trained when it is trained
@@ -30,7 +30,7 @@ from posttrain.objectives.rollout_correction import staleness_stats
 from rollout.records import RolloutRequest, RolloutResult
 from rollout.trajectory import Trajectory
 
-AHEAD = {"sync": lambda ro: 0, "one_step_off": lambda ro: 1, "async": lambda ro: ro.max_staleness}
+AHEAD = {"sync": lambda eng: 0, "one_step_off": lambda eng: 1, "async": lambda eng: eng.max_staleness}
 
 
 def slow_workers() -> dict[int, float]:
@@ -54,20 +54,29 @@ def iteration_requests(iteration: int, picked: list[int], group_size: int, batch
 
 
 class RayEngine:
-    """The Ray engine of a :class:`posttrain.grpo.stage.GRPORun`; every rank builds one, rank 0 owns the pool.
-    Checkpointed: the prompts of queued iterations (a checkpoint of the local engine has none)."""
+    """The Ray engine; every rank builds one, rank 0 owns the pool. Checkpointed: the prompts of queued
+    iterations (a checkpoint of the local engine has none). ``cfg``: the run's
+    :class:`posttrain.grpo.stage.GRPOConfig` (sent to the workers, which build their actors from it);
+    ``perf``: the resolved speed options (the workers' too; ``reward_workers`` scoring threads);
+    ``actor``: the rank's :class:`rollout.actor.RolloutActor` (the settings and device the results must
+    match); ``prompts``: the run's :class:`pretrain.data.dataset.EpochSampler`; ``ranks``: the
+    :class:`posttrain.grpo.ranks.RankLayout`; ``rewards``: the :class:`rewards.base.CompositeReward`;
+    ``policy``: the trained :class:`posttrain.base.policy.Policy` (its weights are published);
+    ``log``: writes a line to the run's log. Other collaborators offered to every engine are ignored."""
 
     state_optional = True
 
-    def __init__(self, run):
-        self.run, self.ro = run, run.cfg.rollout
-        self.ahead = AHEAD[self.ro.mode](self.ro)
+    def __init__(self, *, cfg, perf, actor, prompts, ranks, rewards, policy, log, **_):
+        self.cfg, self.ro, self.eng, self.perf = cfg, cfg.rollout, cfg.engine, perf
+        self.actor, self.prompts, self.ranks, self.rewards, self.policy, self.log = \
+            actor, prompts, ranks, rewards, policy, log
+        self.ahead = AHEAD[self.eng.mode](self.eng)
         self.picks: dict[int, list[int]] = {}  # queued iterations not trained yet -> their prompts
         self.queued: set[int] = set()
         self.pool, self.started, self.reward_actors, self.scored = None, False, [], 0
         self.scores: dict[str, Future | tuple] = {}
-        workers = run.perf.reward_workers
-        self.scoring = ThreadPoolExecutor(workers, thread_name_prefix="reward") if workers and run.ranks.is_main else None
+        workers = perf.reward_workers
+        self.scoring = ThreadPoolExecutor(workers, thread_name_prefix="reward") if workers and ranks.is_main else None
         self.sync = {"weight_sync_bytes": 0, "weight_sync_tensors": 0, "weight_sync_s": 0.0}
 
     def stateful(self) -> dict:
@@ -83,23 +92,21 @@ class RayEngine:
     def _start(self, version: int) -> None:
         from posttrain.grpo.engines.ray_pool import WorkerPool
 
-        run = self.run
-        if run.ranks.is_main:
-            cfg, perf, sync_mode = run.cfg, run.perf, self.ro.mode == "sync"
+        if self.ranks.is_main:
+            cfg, perf, eng = self.cfg, self.perf, self.eng
             re = cfg.reward_engine
             extra = re.actors * re.num_cpus if re.engine == "ray" else 0.0
-            self.pool = WorkerPool(self.ro, lambda i: (cfg, perf, sync_mode, i), self._score, slow_workers(),
-                                   extra_cpus=extra)
+            self.pool = WorkerPool(eng, lambda i: (cfg, perf, True, i), self._score, slow_workers(), extra_cpus=extra)
             self.reward_actors = start_reward_actors(cfg.reward_engine, cfg.rewards)
-            run.logger.write(f"rollout engine: ray, {self.ro.workers} workers x (num_cpus={self.ro.num_cpus}, "
-                             f"num_gpus={self.ro.num_gpus}), mode {self.ro.mode}, weight sync {self.ro.weight_sync}"
-                             + (f" (max_staleness {self.ahead})" if self.ro.mode == "async" else ""))
+            self.log(f"rollout engine: ray, {eng.workers} workers x (num_cpus={eng.num_cpus}, "
+                     f"num_gpus={eng.num_gpus}), mode {eng.mode}, weight sync {eng.weight_sync}"
+                     + (f" (max_staleness {self.ahead})" if eng.mode == "async" else ""))
         self.publish(version)
 
     def publish(self, version: int) -> None:
         """Every rank: build the weight packet of ``version`` (collective under FSDP2); rank 0 publishes it."""
         t0 = time.perf_counter()
-        packet = WeightPacket.build(self.run.st.policy.model, version, self.run.st.policy.lora)
+        packet = WeightPacket.build(self.policy.model, version, self.policy.lora)
         if self.pool is not None:
             self.pool.publish(packet)
         self.sync = {"weight_sync_bytes": packet.nbytes, "weight_sync_tensors": len(packet.tensors),
@@ -107,12 +114,12 @@ class RayEngine:
 
     def _queue(self, iteration: int) -> None:
         """Every rank: make sure iterations up to ``iteration + ahead`` have prompts; rank 0 queues them."""
-        run, ro = self.run, self.ro
+        ro = self.ro
         for it in range(iteration, iteration + self.ahead + 1):
             if it in self.queued:
                 continue
             if it not in self.picks:  # restored picks (a resume) are queued again as they were
-                self.picks[it] = run.prompts.next(ro.prompts_per_step)
+                self.picks[it] = self.prompts.next(ro.prompts_per_step)
             self.queued.add(it)
             if self.pool is not None:
                 self.pool.submit(iteration_requests(it, self.picks[it], ro.group_size, ro.batch_size))
@@ -125,13 +132,13 @@ class RayEngine:
             return
         t = result.trajectory
         args = (t.images, t.prompts, {"sample_ids": t.sample_ids})
-        self.scores[result.request_id] = (self.scoring.submit(self.run.rewards, *args) if self.scoring
+        self.scores[result.request_id] = (self.scoring.submit(self.rewards, *args) if self.scoring
                                           else args)
 
     # -- one iteration -----------------------------------------------------------------------
     def collect(self, iteration: int) -> RolloutBatch:
         """Every rank: the iteration's samples (this rank's share), and all rewards."""
-        run, ro = self.run, self.ro
+        ranks, ro = self.ranks, self.ro
         if not self.started:
             self._start(iteration)
             self.started = True
@@ -139,27 +146,27 @@ class RayEngine:
         picked = self.picks.pop(iteration)
         self.queued.discard(iteration)
         payload = self._gather(iteration, picked) if self.pool is not None else None
-        if run.ranks.distributed:
+        if ranks.distributed:
             box = [payload]
             dist.broadcast_object_list(box, src=0)
             payload = box[0]
         full, total, raw, metrics = payload
-        run.ranks.prompt_share(picked, ro.group_size)  # sets this rank's start / stop
-        mine = full.select(torch.arange(run.ranks.start * ro.group_size, run.ranks.stop * ro.group_size)) \
-            if run.ranks.distributed else full
-        return RolloutBatch(picked, mine.to(run.st.device), total, raw, full.group_ids.clone(),
+        ranks.prompt_share(picked, ro.group_size)  # sets this rank's start / stop
+        mine = full.select(torch.arange(ranks.start * ro.group_size, ranks.stop * ro.group_size)) \
+            if ranks.distributed else full
+        return RolloutBatch(picked, mine.to(self.actor.device), total, raw, full.group_ids.clone(),
                             {**metrics, **self.sync, **staleness_stats(full.versions, iteration)})
 
     def _gather(self, iteration: int, picked: list[int]):
         """Rank 0: wait for the iteration's results, check its sample ids, assemble and score them."""
-        run, ro = self.run, self.ro
+        ro = self.ro
         requests = iteration_requests(iteration, picked, ro.group_size, ro.batch_size)
         t0 = time.perf_counter()
         results = self.pool.wait(iteration, [r.request_id for r in requests])
         t1 = time.perf_counter()
         check_sample_ids(iteration, results, len(picked) * ro.group_size)
         traj = Trajectory.cat([r.trajectory for r in results])
-        settings = run.sampler.settings_for(run.seed, iteration)
+        settings = self.actor.settings(iteration)
         if not settings.same_as(traj.settings):
             raise RuntimeError(f"rollout iteration {iteration}: the workers sampled with other settings than the "
                                f"trainer's rollout: block (a worker built from another config?)")
@@ -167,14 +174,14 @@ class RayEngine:
         parts = []
         for r in requests:
             s = self.scores.pop(r.request_id)
-            parts.append(s.result() if isinstance(s, Future) else run.rewards(*s) if isinstance(s, tuple)
+            parts.append(s.result() if isinstance(s, Future) else self.rewards(*s) if isinstance(s, tuple)
                          else _ray_get(s))
         total = torch.cat([t for t, _ in parts])
         raw = {name: torch.cat([p[name] for _, p in parts]) for name in parts[0][1]}
         metrics = {"time_rollout_s": t1 - t0, "time_decode_s": 0.0, "time_reward_wait_s": time.perf_counter() - t1,
                    "rollout_worker_s": sum(r.rollout_s for r in results),
                    "rollout_decode_s": sum(r.decode_s for r in results),
-                   "rollout_requests_per_worker": _per_worker(results, ro.workers),
+                   "rollout_requests_per_worker": _per_worker(results, self.eng.workers),
                    "worker_restarts": len(self.pool.restarts)}
         return traj, total, raw, metrics
 

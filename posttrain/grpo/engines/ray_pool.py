@@ -1,4 +1,4 @@
-"""Rollout workers on Ray: a placement group of ``rollout.workers`` bundles (``num_cpus`` /
+"""Rollout workers on Ray: a placement group of ``engine.workers`` bundles (``num_cpus`` /
 ``num_gpus`` each), one :class:`posttrain.grpo.engines.worker.RolloutWorker` actor per bundle, and a
 dispatcher thread in the trainer's rank-0 process that hands each idle worker the next queued request
 (with the newest weight packet when the worker's is older), fetches results as they finish, and
@@ -41,7 +41,7 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
 
 
 def check_reachable(address: str, timeout_s: float = 10.0) -> None:
-    """``ConnectionError`` naming ``rollout.ray_address`` / ``RAY_ADDRESS`` when a ``host:port`` address
+    """``ConnectionError`` naming ``engine.ray_address`` / ``RAY_ADDRESS`` when a ``host:port`` address
     does not accept a connection (``ray.init`` would retry for minutes); other forms (``auto``,
     ``ray://...``) are left to Ray."""
     import socket
@@ -52,46 +52,47 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ConnectionError(f"rollout.ray_address / RAY_ADDRESS {address!r}: no Ray cluster answers there ({e}); "
+        raise ConnectionError(f"engine.ray_address / RAY_ADDRESS {address!r}: no Ray cluster answers there ({e}); "
                               f"start one with `ray start --head` or leave both unset for a local cluster") from e
 
 
 class WorkerPool:
-    """Rank 0's handle on the rollout workers. ``make_args(index)`` gives a worker's constructor
+    """Rank 0's handle on the rollout workers of ``eng`` (the ``engine:`` block,
+    :class:`posttrain.grpo.engines.config.RolloutEngineConfig`). ``make_args(index)`` gives a worker's constructor
     arguments; ``on_result(result, ref)`` runs in the dispatcher thread for every new result and its
     object ref (e.g. to start scoring it). ``max_restarts``: dead workers replaced over the run before the pool gives up
     (``RuntimeError``). ``timeout_s``: how long the placement group may take to fit. ``extra_cpus``:
     logical CPUs a local cluster needs beyond the workers' (reward actors)."""
 
-    def __init__(self, ro, make_args: Callable[[int], tuple], on_result: Callable[[RolloutResult, object], None],
-                 delays: dict[int, float] | None = None, max_restarts: int | None = None, timeout_s: float = 300,
+    def __init__(self, eng, make_args: Callable[[int], tuple], on_result: Callable[[RolloutResult, object], None],
+                 delays: dict[int, float] | None = None, *, max_restarts: int | None = None, timeout_s: float = 300,
                  extra_cpus: float = 0.0):
         import ray
         from ray.util.placement_group import placement_group
 
         from posttrain.grpo.engines.worker import RolloutWorker
 
-        need = int(ro.workers * max(ro.num_cpus, 1) + extra_cpus + 0.999)
-        self.started_ray = start_ray(ro.ray_address, max(os.cpu_count() or 1, need))
-        bundle = {"CPU": ro.num_cpus, **({"GPU": ro.num_gpus} if ro.num_gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(ro.workers)], strategy="PACK")
+        need = int(eng.workers * max(eng.num_cpus, 1) + extra_cpus + 0.999)
+        self.started_ray = start_ray(eng.ray_address, max(os.cpu_count() or 1, need))
+        bundle = {"CPU": eng.num_cpus, **({"GPU": eng.num_gpus} if eng.num_gpus else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(eng.workers)], strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
-            raise RuntimeError(f"rollout.workers={ro.workers} x (num_cpus={ro.num_cpus}, num_gpus={ro.num_gpus}) does "
-                               f"not fit the Ray cluster's free resources ({ray.available_resources()}) within "
+            raise RuntimeError(f"engine.workers={eng.workers} x (num_cpus={eng.num_cpus}, num_gpus={eng.num_gpus}) "
+                               f"does not fit the Ray cluster's free resources ({ray.available_resources()}) within "
                                f"{timeout_s:.0f} s")
-        self.ro, self.make_args, self.on_result, self.delays = ro, make_args, on_result, delays or {}
+        self.eng, self.make_args, self.on_result, self.delays = eng, make_args, on_result, delays or {}
         self.cls = ray.remote(RolloutWorker)
-        self.actors = [self._spawn(i) for i in range(ro.workers)]
-        self.held = [-1] * ro.workers  # the weights version each worker holds (or was sent)
+        self.actors = [self._spawn(i) for i in range(eng.workers)]
+        self.held = [-1] * eng.workers  # the weights version each worker holds (or was sent)
         self.busy: dict = {}  # object ref -> (worker, request)
         self.queue: deque[RolloutRequest] = deque()
         self.results: dict[int, dict[str, RolloutResult]] = defaultdict(dict)
         self.latest: tuple[int, object] | None = None  # (version, object ref of the packet)
         self.error: BaseException | None = None
-        self.restarts, self.max_restarts = [], 2 * ro.workers if max_restarts is None else max_restarts
+        self.restarts, self.max_restarts = [], 2 * eng.workers if max_restarts is None else max_restarts
         self.duplicates = 0
-        self.collective, self.group, self.generation, self.synced = ro.weight_sync == "collective", None, 0, -1
+        self.collective, self.group, self.generation, self.synced = eng.weight_sync == "collective", None, 0, -1
         if self.collective:
             self._form_group()
         self.cond = threading.Condition()
@@ -103,11 +104,11 @@ class WorkerPool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
-        return self.cls.options(num_cpus=self.ro.num_cpus, num_gpus=self.ro.num_gpus, scheduling_strategy=strategy,
+        return self.cls.options(num_cpus=self.eng.num_cpus, num_gpus=self.eng.num_gpus, scheduling_strategy=strategy,
                                 max_restarts=0).remote(*self.make_args(index), self.delays.get(index, 0.0))
 
     def _form_group(self) -> None:
-        """``rollout.weight_sync: collective``: the trainer (rank 0) and every worker form a new
+        """``engine.weight_sync: collective``: the trainer (rank 0) and every worker form a new
         generation of the weight group (gloo, or nccl for GPU workers)."""
         import ray
         import torch
@@ -115,7 +116,7 @@ class WorkerPool:
         from posttrain.grpo.engines.weight_sync import WeightGroup
 
         world = len(self.actors) + 1
-        backend = "nccl" if self.ro.num_gpus and torch.cuda.is_available() else "gloo"
+        backend = "nccl" if self.eng.num_gpus and torch.cuda.is_available() else "gloo"
         if self.group is None:
             self.host = ray.util.get_node_ip_address()
             self.store, self.port = WeightGroup.host_store(self.host, world)

@@ -1,4 +1,4 @@
-"""Rewards on their own Ray actors (``reward_engine.engine: ray``, with ``rollout.engine: ray``): each
+"""Rewards on their own Ray actors (``reward_engine.engine: ray``, with ``engine.name: ray``): each
 actor builds the run's composite reward (``rewards:``) once and scores rollout results as they arrive,
 reading each result from Ray's object store itself (the trainer does not send the images again)."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from posttrain.grpo.engines.config import check_actors
 
 
 @dataclass
@@ -23,11 +25,7 @@ class RewardEngineConfig:
     def validate(self, prefix: str = "") -> None:
         if self.engine not in ("local", "ray"):
             raise ValueError(f"{prefix}engine: '{self.engine}' is not one of local, ray")
-        if self.actors < 1:
-            raise ValueError(f"{prefix}actors: must be >= 1, got {self.actors}")
-        for key in ("num_cpus", "num_gpus"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{prefix}{key}: must be >= 0, got {getattr(self, key)}")
+        check_actors(self, prefix, "actors")
 
 
 class RewardActor:

@@ -1,8 +1,10 @@
 """The rollout worker: one Ray actor (``ray.remote(RolloutWorker)``, started by
 :class:`posttrain.grpo.engines.ray_pool.WorkerPool`) holding an inference copy of the policy (the export, the
-adapter layout of ``policy:``) and the sampler of ``rollout:``. It samples :class:`rollout.records.RolloutRequest`
-batches exactly as the colocated trainer would (same sampler code, noise keyed by global sample id,
-the trainer's precision and speed options), with the weights of the last packet it received."""
+adapter layout of ``policy:``) and a :class:`rollout.actor.RolloutActor` over it
+(:func:`posttrain.grpo.actor.build_rollout_actor`, as the colocated trainer's). It samples
+:class:`rollout.records.RolloutRequest` batches exactly as the colocated trainer would (same sampler
+code, noise keyed by global sample id, the trainer's precision and speed options), with the weights of
+the last packet it received."""
 
 from __future__ import annotations
 
@@ -12,48 +14,44 @@ from dataclasses import replace
 
 import torch
 
-from posttrain.grpo.engines.weight_sync import WeightGroup, WeightPacket
-from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, records_uncond
 from posttrain.base.policy import Policy
+from posttrain.grpo.actor import build_rollout_actor
+from posttrain.grpo.engines.weight_sync import WeightGroup, WeightPacket
+from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, no_grad_model
 from pretrain.data.dataset import build_datasets
 from pretrain.export import load_exported
-from pretrain.runtime.precision import Precision
 from rollout.records import RolloutRequest, RolloutResult
 from rollout.sampler import Sampler
-from rollout.timed_codec import TimedCodec
 
 
 class RolloutWorker:
     """``cfg``: the run's :class:`posttrain.grpo.stage.GRPOConfig`; ``perf``: the trainer's resolved speed
     options (so the worker samples with the same function and rounding: the LoRA-merged copy or not, the
     module rewrites, compiled blocks and decoder);
-    ``record_uncond``: keep the unconditional CFG velocities (sync mode only: they are the trainer's
-    only while the weights are, and only in the update's precision); ``index``: the worker's slot;
-    ``delay_s``: seconds added to every request (tests and benchmarks make one worker slow with it).
-    Uses ``rollout.num_cpus`` threads and its bundle's GPU when ``rollout.num_gpus`` > 0, else the CPU."""
+    ``record_uncond``: False never keeps the unconditional CFG velocities; True leaves it to the run's
+    rule (:func:`posttrain.grpo.actor.record_uncond`: sync mode, the update's precision); ``index``: the
+    worker's slot; ``delay_s``: seconds added to every request (tests and benchmarks make one worker
+    slow with it). Uses ``engine.num_cpus`` threads and its bundle's GPU when ``engine.num_gpus`` > 0,
+    else the CPU."""
 
     def __init__(self, cfg, perf: PerfConfig, record_uncond: bool, index: int, delay_s: float = 0.0):
-        torch.set_num_threads(max(1, int(cfg.rollout.num_cpus)))
-        self.index, self.delay_s, self.seed = index, delay_s, cfg.train.seed
+        torch.set_num_threads(max(1, int(cfg.engine.num_cpus)))
+        self.index, self.delay_s = index, delay_s
         # the GPU of the worker's bundle when it has one (Ray sets CUDA_VISIBLE_DEVICES), else the CPU
-        self.device = torch.device("cuda" if cfg.rollout.num_gpus and torch.cuda.is_available() else "cpu")
-        model, encoder, self.codec, meta = load_exported(cfg.model.pretrained, device=str(self.device),
-                                                         options=cfg.model.options)
-        self.train_set, _ = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
+        self.device = torch.device("cuda" if cfg.engine.num_gpus and torch.cuda.is_available() else "cpu")
+        model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(self.device),
+                                                    options=cfg.model.options)
+        train_set, _ = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
         self.policy = Policy(model, cfg.policy, reference=False)  # the layout; the weights arrive in packets
         apply_model_options(perf, model)  # the trainer's module rewrites, so the same rounding
-        ro = cfg.rollout
-        shift = meta["sampling"]["shift"] if ro.shift is None else ro.shift
-        self.sampler = Sampler.build(ro, model, encoder, self.device, shift)
-        self.update = cfg.grpo.build().update(cfg.grpo, perf, self.policy)
-        compile_models(perf, self.policy, self.codec)
-        self.precision = Precision(ro.precision or cfg.train.precision, self.device)
-        self.latent_shape = self.codec.latent_shape(meta["image_size"], meta["image_size"])
-        self.shared = ro.group_size if ro.shared_initial_noise else None
-        self.record_uncond = (record_uncond and records_uncond(perf, cfg.grpo.detach_uncond, ro.guidance_scale)
-                              and (ro.precision or cfg.train.precision) == cfg.train.precision)
+        sampler = Sampler.build(cfg.rollout, model, encoder, self.device, meta["sampling"]["shift"])
+        compile_models(perf, self.policy, codec)
+        self.actor = build_rollout_actor(cfg, perf, policy=self.policy,
+                                         sampling_model=lambda: no_grad_model(perf, self.policy, self.version),
+                                         sampler=sampler, codec=codec, prompts=train_set,
+                                         image_size=meta["image_size"], device=self.device, keep_uncond=record_uncond)
         self.version = -1
-        self.weights = None  # the collective weight group, when rollout.weight_sync is collective
+        self.weights = None  # the collective weight group, when engine.weight_sync is collective
 
     def join_weights(self, host: str, port: int, rank: int, world: int, backend: str, generation: int) -> int:
         """Join the collective weight group (:class:`posttrain.grpo.engines.weight_sync.WeightGroup`) as
@@ -77,27 +75,17 @@ class RolloutWorker:
         self.version = packet.version
         return self.version
 
-    @torch.no_grad()
     def sample(self, request: RolloutRequest, packet: WeightPacket | None = None) -> RolloutResult:
-        """Sample ``request`` (after applying ``packet`` when it is newer than the weights held).
-        ``RuntimeError`` when no weights were ever received."""
+        """Sample ``request`` with the actor (after applying ``packet`` when it is newer than the weights
+        held). ``RuntimeError`` when no weights were ever received."""
         if packet is not None and packet.version != self.version:
             self.load(packet)
         if self.version < 0:
             raise RuntimeError(f"rollout worker {self.index}: asked to sample {request.request_id} before any weights "
                                f"were pushed")
         t0 = time.perf_counter()
-        codec = TimedCodec(self.codec)
-        self.policy.model.eval()
-        model = self.update.rollout_model(self.policy, self.version).eval()
-        _, embeds, captions = self.train_set.batch(list(request.prompt_ids))
-        with self.precision.autocast():
-            traj = self.sampler.sample(model, codec, embeds, captions, group_ids=torch.as_tensor(request.group_ids),
-                                       sample_ids=list(request.sample_ids), latent_shape=self.latent_shape,
-                                       seed=self.seed, iteration=request.iteration, device=self.device,
-                                       shared_group_size=self.shared, record_uncond=self.record_uncond)
-        traj.versions = torch.full((len(traj),), self.version, dtype=torch.long)
+        result = self.actor.sample(request, version=self.version, worker=self.index)
         if self.delay_s:
             time.sleep(self.delay_s)
-        return RolloutResult(request.request_id, request.iteration, traj.to("cpu"), self.version, self.index,
-                             time.perf_counter() - t0, codec.seconds)
+            result.rollout_s = time.perf_counter() - t0
+        return result
