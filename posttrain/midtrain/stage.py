@@ -134,7 +134,7 @@ class MidtrainRun:
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             compile_blocks(st.model)
         self.sampler = EpochSampler(len(st.train_set), cfg.train.seed)
-        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=None)
+        self.guard = Guard.for_stage(cfg.guard, st, trained=None)
         stateful = {"sampler": self.sampler, **({"reward_guard": self.guard} if self.guard else {})}
         self.rt = rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints",
                                cfg.checkpoint.keep_last, stateful, shape={**st.policy.shape(), **guard_shape(cfg.guard)})
