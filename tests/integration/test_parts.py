@@ -201,7 +201,7 @@ def test_a_capability_the_engines_lack_is_refused_at_config_load(weighted_fm, ti
         (("rollout.step=ode",), r"grpo\.loss\.name: 'ppo_clip_kl' trains on the rollout's log-probs; rollout\.step 'ode'"),
         ((*ODE, "grpo.loss.name=test_weighted_fm", "rollout.engine=ray"),
          r"rollout\.engine: ray trains with the update engines transition; grpo\.loss\.name 'test_weighted_fm'"),
-        ((f"grpo.loss.name=tests.integration.test_parts:PlainLossWithoutBase", "~grpo.loss.clip_range",
+        (("grpo.loss.name=tests.integration.test_parts:PlainLossWithoutBase", "~grpo.loss.clip_range",
           "~grpo.loss.beta"), r"grpo\.loss\.name: '.*PlainLossWithoutBase' is not a loss part"),
         ((*ODE, "grpo.loss.name=awm", "grpo.loss.timesteps_per_sample=6"),
          r"grpo\.loss\.timesteps_per_sample: 6 > the 4 schedule sigmas"),
