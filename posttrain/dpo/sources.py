@@ -13,7 +13,7 @@ server that does not answer fails the run early), :meth:`PairSource.start` after
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from posttrain.dpo.data import PairSet, load_preference_pairs, online_pairs
 from pretrain.data.dataset import EpochSampler
@@ -27,10 +27,8 @@ PAIR_SOURCES = Registry("pair source", key="source")
 
 
 class PairSource:
-    """The pairs a DPO run trains on. ``rewards``: what scores samples (None: the pairs come scored);
-    ``name``: the registered name."""
+    """The pairs a DPO run trains on. ``rewards``: what scores samples (None: the pairs come scored)."""
 
-    name: ClassVar[str]
     rewards = None
 
     @classmethod
@@ -59,8 +57,6 @@ class PairSource:
 @PAIR_SOURCES.register("offline")
 class OfflineSource(PairSource):
     """Pairs read from ``offline.path``; the pairs sampler is checkpointed as ``pairs``."""
-
-    name = "offline"
 
     @classmethod
     def check(cls, cfg: "DPOConfig") -> None:
@@ -91,8 +87,6 @@ class OfflineSource(PairSource):
 class OnlineSource(PairSource):
     """Pairs sampled from the policy every ``online.resample_every`` steps and scored by ``rewards``
     (built here, before any model loads)."""
-
-    name = "online"
 
     @classmethod
     def check(cls, cfg: "DPOConfig") -> None:
