@@ -18,6 +18,7 @@ from pretrain.models import arch_of, build_backbone, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas, pretrain_loss
 from pretrain.parallel.job import JobRanks
 from pretrain.run_config import RunConfig
+from pretrain.runtime.accumulate import Accumulation
 from pretrain.runtime.config import RuntimeConfig
 from pretrain.runtime.loop import run_stage
 from pretrain.runtime.metrics import MetricsLogger
@@ -113,7 +114,7 @@ def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, 
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
     lo, hi = ranks.share(b) if ranks else (0, b)
     model.train()
-    loss_sum, buckets = 0.0, {}
+    acc, buckets, metrics = Accumulation(rt), {}, {}
     for micro in range(accum):
         images, embeds, _ = data.batch(sampler.next(b)[lo:hi])
         x0 = codec.encode(images.to(device))
@@ -123,14 +124,12 @@ def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, 
             per = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop, cfg.flow.objective,
                                 per_sample=True)
             loss = per.mean()
-        rt.backward(loss)
-        loss_sum += loss.item()
+        acc.backward(loss)
         for name, (total, n) in sigma_buckets(sigma, per.detach()).items():  # the spike detector's buckets
             before = buckets.get(name, (0.0, 0))
             buckets[name] = (before[0] + total, before[1] + n)
-    if ranks:  # the logged loss is the global batch's
-        loss_sum, = ranks.mean([loss_sum])
-    metrics = {"loss": loss_sum / accum, **rt.optimizer_step(loss_sum / accum, buckets)}
+        # the logged loss is the global batch's (the mean over ranks)
+        metrics = acc.end_micro_batch(buckets, ranks.mean if ranks else None)
     metrics["samples_per_s"] = b * accum / (time.perf_counter() - t0)
     return metrics
 

@@ -65,8 +65,12 @@ class GuardConfig:
     export: str = "final"
 
     def validate(self, prefix: str = "") -> None:
+        from pretrain.parallel.launch import launched_world_size
+
         if self.every < 0:
             raise ValueError(f"{prefix}every: must be >= 0 (0 = no guard), got {self.every}")
+        if self.every and launched_world_size() > 1:
+            raise ValueError(f"{prefix}every: the guard runs in one process; set {prefix}every=0 under torchrun")
         if self.export not in ("final", "best"):
             raise ValueError(f"{prefix}export: '{self.export}' is not one of final, best")
         if not self.every and (self.stop or self.export == "best"):
@@ -155,15 +159,11 @@ class Guard:
         self.stopped: str | None = None
 
     @classmethod
-    def for_stage(cls, cfg: GuardConfig, stage, distributed: bool, trained: Callable | None) -> "Guard | None":
-        """The guard of a stage run, or None when ``cfg.every`` is 0. ``ConfigError`` naming
-        ``guard.every`` under torchrun (the guard probes in one process)."""
+    def for_stage(cls, cfg: GuardConfig, stage, trained: Callable | None) -> "Guard | None":
+        """The guard of a stage run, or None when ``cfg.every`` is 0 (under torchrun the config was
+        refused when it loaded: :meth:`GuardConfig.validate`)."""
         if not cfg.every:
             return None
-        if distributed:
-            from pretrain.config import ConfigError
-
-            raise ConfigError("guard.every: the guard runs in one process; set guard.every=0 under torchrun")
         return cls(cfg, stage, trained)
 
     def start(self, model: torch.nn.Module, logger) -> None:

@@ -22,23 +22,24 @@ import torch
 
 from pretrain.config import require_positive
 
-from posttrain.dpo.data import PairSet, load_preference_pairs, online_pairs
+from posttrain.dpo.data import PairSet
 from posttrain.dpo.errors import flow_errors
 from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 from pretrain.runtime.loop import run_stage
 from posttrain.base.guard import Guard
 from posttrain.base.compile import compile_blocks
-from posttrain.base.policy import Policy
 from posttrain.base.run import PolicyRun
+from posttrain.base.policy import Policy
 from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig
 from pretrain.data.dataset import EpochSampler
 from pretrain.models import count_parameters
 from pretrain.guidance import drop_condition
 from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas
+from pretrain.runtime.accumulate import Accumulation
 from pretrain.runtime.runtime import Runtime
+from posttrain.dpo.sources import PAIR_SOURCES
 from pretrain.text_encoder import PromptEmbeds
-from rewards.base import CompositeReward, check_reward_weights
 
 
 @dataclass
@@ -125,16 +126,7 @@ class DPOConfig(StageConfig):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
-        if self.source not in ("online", "offline"):
-            raise ValueError(f"source: '{self.source}' is not one of online, offline")
-        if self.source == "offline" and not self.offline.path:
-            raise ValueError("offline.path: required when source is 'offline'")
-        if self.source == "online":
-            check_reward_weights(self.rewards)
-            for key, value in (("checkpoint.every", self.checkpoint.every), ("train.steps", self.train.steps)):
-                if value % self.online.resample_every:
-                    raise ValueError(f"{key}: must be a multiple of online.resample_every (pairs are re-sampled "
-                                     f"from the model at round boundaries, which is what a resume reproduces)")
+        PAIR_SOURCES.get(self.source).check(self)
 
 
 def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int, step: int,
@@ -196,49 +188,29 @@ def dpo_step(policy: Policy, rt: Runtime, codec, pairs: PairSet, sampler: EpochS
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
     lo, hi = ranks.share(b) if ranks else (0, b)
     policy.model.train()
-    loss_sum, stats_sum = 0.0, {}
+    acc, metrics = Accumulation(rt), {}
     for micro in range(accum):
         with rt.autocast():
             loss, stats = pair_loss(policy, codec, pairs.select(sampler.next(b)[lo:hi]), cfg.dpo, null,
                                     seed=cfg.train.seed, step=step, offset=micro * b + lo, device=device)
-        rt.backward(loss)
-        loss_sum += loss.item() / accum
-        for k, v in stats.items():
-            stats_sum[k] = stats_sum.get(k, 0.0) + v / accum
-    if ranks:  # every rank's guard must see the same loss
-        keys = sorted(stats_sum)
-        loss_sum, *values = ranks.mean([loss_sum, *(stats_sum[k] for k in keys)])
-        stats_sum = dict(zip(keys, values))
-    return {"loss": loss_sum, **stats_sum, **rt.optimizer_step(loss_sum)}
-
-
-def offline_pairs(cfg: DPOConfig, encoder, size: int) -> tuple[PairSet, PairSet | None]:
-    """Train / held-out split of the offline pairs by a hash of the caption (pairs sharing a caption
-    stay on one side); held-out is None when ``offline.heldout_fraction`` is 0."""
-    from pretrain.data.emoji import is_heldout
-
-    w, lo, caps, pref, _ = load_preference_pairs(cfg.offline.path, size, cfg.offline.ties, cfg.offline.limit)
-    pairs = PairSet(w.float() / 255, lo.float() / 255, caps, encoder.encode(caps), pref)
-    held = [is_heldout(c, cfg.offline.heldout_fraction) for c in caps]
-    train = [i for i, h in enumerate(held) if not h]
-    if not train:
-        raise ValueError(f"offline.heldout_fraction={cfg.offline.heldout_fraction} leaves no training pair")
-    held_idx = [i for i, h in enumerate(held) if h]
-    return pairs.select(train), (pairs.select(held_idx) if held_idx else None)
+        acc.backward(loss, stats=stats)
+        # every rank's guard must see the same loss: the mean over ranks
+        metrics = acc.end_micro_batch(reduce=ranks.mean if ranks else None)
+    return metrics
 
 
 class DPORun(PolicyRun):
-    """One Diffusion-DPO run, set up from ``cfg`` (export, policy, pairs or rewards, runtime, resume): a
-    stage of :mod:`pretrain.runtime.loop`; :meth:`train_step` is one optimizer step (re-sampling online pairs
-    at round boundaries)."""
+    """One Diffusion-DPO run, set up from ``cfg`` (export, policy, the pair source, runtime, resume): a
+    stage of :mod:`pretrain.runtime.loop`; :meth:`train_step` is one optimizer step on the source's
+    pairs (:mod:`posttrain.dpo.sources`: an online source re-samples them at round boundaries)."""
 
     def __init__(self, cfg: DPOConfig):
         self.cfg = cfg
         self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
             cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
             "pairs per global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
-        # rewards first: a reward server that does not answer fails the run before any model loads
-        self.rewards = CompositeReward(cfg.rewards) if cfg.source == "online" else None
+        # the source first: a reward server that does not answer fails the run before any model loads
+        self.source = source = PAIR_SOURCES.get(cfg.source)(cfg)
         self.st = st = PolicyStage.setup(cfg, "dpo")
         n_trainable = count_parameters(st.model, trainable_only=True)
         ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, bool(cfg.perf.compile), cfg.train.low_precision)
@@ -246,66 +218,36 @@ class DPORun(PolicyRun):
             compile_blocks(st.model)
         self.seed = cfg.train.seed
         self.prompts = EpochSampler(len(st.train_set), self.seed)
-        stateful = {"prompts": self.prompts}
-        self.pairs = self.held_pairs = None
-        if cfg.source == "offline":
-            self.pairs, self.held_pairs = offline_pairs(cfg, st.encoder, st.meta["image_size"])
-            self.pair_sampler = EpochSampler(len(self.pairs), self.seed)
-            stateful["pairs"] = self.pair_sampler
-        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
+        stateful = {"prompts": self.prompts, **source.start(st, self.prompts)}
+        self.guard = Guard.for_stage(cfg.guard, st, trained=source.rewards)
         resumed = self.start_runtime(stateful, headline=("loss", "implicit_acc"))
         rt = self.rt
         self.logger.write(f"policy: {n_trainable / 1e3:.1f} k trainable; source {cfg.source}; "
                           f"beta {cfg.dpo.beta} ({cfg.dpo.loss_type}); {cfg.train.batch_size} pairs x accumulation "
                           f"{cfg.train.grad_accum} per step; ranks: {ranks.layout()}"
                           + (f"; resumed from {resumed}" if resumed else ""))
-        if rt.step == 0 and cfg.source == "offline":
-            self.logger.log(rt.step, self.heldout_acc(), advance=False)
+        if rt.step == 0:
+            held = source.heldout(st.policy)
+            if held is not None:
+                self.logger.log(rt.step, held, advance=False)
         self.start_guard()
 
     @property
     def step(self) -> int:
         return self.rt.step
 
-    def heldout_acc(self) -> dict:
-        if self.held_pairs is None:
-            return {}
-        st = self.st
-        return {"heldout_implicit_acc": implicit_accuracy(st.policy, st.codec, self.held_pairs, self.cfg.dpo, st.null,
-                                                          seed=self.seed, device=st.device)}
-
-    def resample(self, step: int) -> dict:
-        """A new round of online pairs from the current policy (every ``online.resample_every`` steps)."""
-        st, on = self.st, self.cfg.online
-        st.model.eval()
-        with self.rt.autocast():
-            fresh, metrics = online_pairs(st.model, st.codec, st.train_set, self.prompts.next(on.prompts_per_round),
-                                          online=on, reward_fn=self.rewards, null=st.null,
-                                          shift=st.meta["sampling"]["shift"], seed=self.seed,
-                                          round_=step // on.resample_every, device=st.device)
-        if fresh is not None:
-            self.pairs = fresh
-            self.pair_sampler = EpochSampler(len(fresh), self.seed + step)
-        elif self.pairs is None:
-            raise ValueError(f"step {step}: no prompt had a reward gap above online.margin={on.margin}")
-        else:
-            self.logger.write(f"step {step}: no reward gap above online.margin={on.margin} in this round "
-                              f"(all samples scored alike); keeping the previous round's pairs")
-        return metrics
-
     def train_step(self) -> dict:
-        cfg, st, step, metrics = self.cfg, self.st, self.rt.step, {}
-        if cfg.source == "online" and (self.pairs is None or step % cfg.online.resample_every == 0):
-            metrics = self.resample(step)
-            metrics["samples"] = cfg.online.prompts_per_round * cfg.online.samples_per_prompt  # drawn this step
-        metrics.update(dpo_step(st.policy, self.rt, st.codec, self.pairs, self.pair_sampler, cfg=cfg, null=st.null,
+        st, step = self.st, self.rt.step
+        pairs, sampler, metrics = self.source.pairs(step, st.model, self.rt.autocast, self.logger.write)
+        metrics.update(dpo_step(st.policy, self.rt, st.codec, pairs, sampler, cfg=self.cfg, null=st.null,
                                 step=step, device=st.device, ranks=self.ranks))
         return metrics
 
     def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
-        """Held-out implicit accuracy of offline pairs at the last step and every ``eval.every`` steps."""
-        if self.cfg.source == "offline" and (last or (self.cfg.eval.every and step % self.cfg.eval.every == 0)):
-            return self.heldout_acc(), []
+        """The source's held-out metrics (offline pairs' implicit accuracy) at the last step and every
+        ``eval.every`` steps."""
+        if last or (self.cfg.eval.every and step % self.cfg.eval.every == 0):
+            return self.source.heldout(self.st.policy) or {}, []
         return {}, []
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:

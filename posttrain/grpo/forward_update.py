@@ -14,13 +14,14 @@ branch only, as the methods train) and one backward of loss / K. Mini-batches ar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
 from posttrain.grpo.old_policy import OldPolicy
 from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model
 from pretrain.flow import interpolate
+from pretrain.runtime.accumulate import Accumulation
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 from rollout.trajectory import Trajectory
@@ -42,6 +43,15 @@ class ForwardDraw:
             raise ValueError(f"{prefix}timesteps_per_sample: must be >= 1, got {self.timesteps_per_sample}")
         if not 0.0 < self.timestep_fraction <= 1.0:
             raise ValueError(f"{prefix}timestep_fraction: must be in (0, 1], got {self.timestep_fraction}")
+
+    def candidates(self, steps: int, prefix: str = "") -> int:
+        """How many of a ``steps``-transition schedule's sigmas the draws pick from; ``ValueError`` naming
+        ``{prefix}timesteps_per_sample`` when that is more than them."""
+        candidates = max(1, int(self.timestep_fraction * steps + 1e-9))
+        if self.timesteps_per_sample > candidates:
+            raise ValueError(f"{prefix}timesteps_per_sample: {self.timesteps_per_sample} > the {candidates} schedule "
+                             f"sigmas timestep_fraction {self.timestep_fraction} leaves of {steps}")
+        return candidates
 
 
 @dataclass
@@ -92,10 +102,7 @@ def forward_draws(traj: Trajectory, draw: ForwardDraw, seed: int, iteration: int
     """(sigma float32 ``[B, K]``, noise float32 ``[B, K, ...]``) on the trajectory's device, from the
     schedule ``traj.sigmas``; see :class:`ForwardDraw`."""
     sigmas = traj.sigmas.float().cpu()
-    candidates = max(1, int(draw.timestep_fraction * (len(sigmas) - 1) + 1e-9))
-    if draw.timesteps_per_sample > candidates:
-        raise ValueError(f"timesteps_per_sample: {draw.timesteps_per_sample} > the {candidates} schedule sigmas "
-                         f"timestep_fraction {draw.timestep_fraction} leaves of {len(sigmas) - 1}")
+    candidates = draw.candidates(len(sigmas) - 1)
     shape = traj.latents.shape[2:]
     sig, noise = [], []
     for key in draw_keys(traj, draw.shared_in_group):
@@ -128,20 +135,20 @@ def shuffled_batches(traj: Trajectory, mini_batch_size: int, generator: torch.Ge
 
 
 class ForwardProcessUpdate:
-    """One iteration's update with a forward-process loss part (``parts.loss``, which has
-    ``draw`` (:class:`ForwardDraw` keys on its config), optionally ``old_decay``
-    (:class:`posttrain.grpo.old_policy.OldDecay`: keep an old copy), ``rollout_with_old`` and
-    ``needs_groups``). Same call as :class:`posttrain.grpo.update.GRPOUpdate`."""
+    """One iteration's update with a forward-process loss part (``parts.loss``, a
+    :class:`posttrain.grpo.parts.base.LossPart` with ``update = "forward"`` and ``draw``, its
+    :class:`ForwardDraw` options; its ``old_decay`` (:class:`posttrain.grpo.old_policy.OldDecay`), when
+    set, keeps an old copy). Same call as :class:`posttrain.grpo.update.GRPOUpdate`. The ``"forward"``
+    update engine: it provides whole-group mini-batches and an old copy to train against or sample
+    with (``supports``); one process only (``distributed`` false: ``torchrun`` is refused when the
+    config loads)."""
+
+    supports: ClassVar[frozenset[str]] = frozenset({"needs_groups", "keeps_old", "rollout_with_old"})
+    distributed: ClassVar[bool] = False
 
     def __init__(self, cfg, perf: PerfConfig | None, parts, policy):
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("grpo.loss: the forward-process losses (nft, awm, dgpo) run in one process for now; "
-                             "launch without torchrun")
         self.cfg, self.perf, self.parts = cfg, apply_preset(perf or PerfConfig(merge_lora=False)), parts
-        loss = parts.loss
-        decay = getattr(loss, "old_decay", None)
+        decay = parts.loss.old_decay
         self.old = OldPolicy(policy.model, decay) if decay is not None else None
 
     def stateful(self) -> dict:
@@ -151,7 +158,7 @@ class ForwardProcessUpdate:
     def rollout_model(self, policy, version: int) -> torch.nn.Module:
         """The module to sample rollouts with: the old copy when the loss samples with it, else the
         policy (its LoRA-merged copy with ``perf.merge_lora``)."""
-        if self.old is not None and getattr(self.parts.loss, "rollout_with_old", False):
+        if self.old is not None and self.parts.loss.rollout_with_old:
             return self.old.model
         return no_grad_model(self.perf, policy, version)
 
@@ -159,15 +166,15 @@ class ForwardProcessUpdate:
                  transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:
         """Inner epochs of mini-batches over ``traj`` (``transitions`` is unused: the loss draws its own
         sigmas). ``advantages`` float32 ``[N]``, ``mask`` bool ``[N]``. Returns per-mini-batch stats."""
-        loss_fn, draw, accum = self.parts.loss, self.parts.loss.draw, runtime.cfg.grad_accum
+        loss_fn, draw, acc = self.parts.loss, self.parts.loss.draw, Accumulation(runtime)
         x0_all = traj.latents[:, -1]
-        out, pending = [], 0.0
+        out = []
         policy.model.train()
         for epoch in range(self.cfg.inner_epochs):
             sig_all, noise_all = forward_draws(traj, draw, seed, iteration, epoch)
             gen = generator_for(seed, "shuffle", iteration, epoch)
-            batches = shuffled_batches(traj, mini_batch_size, gen, getattr(loss_fn, "needs_groups", False))
-            for k, idx in enumerate(batches):
+            batches = shuffled_batches(traj, mini_batch_size, gen, loss_fn.needs_groups)
+            for idx in batches:
                 dev = idx.to(x0_all.device)
                 x0, embeds = x0_all[dev], traj.embeds[dev]
                 stats: dict[str, float] = {}
@@ -177,14 +184,10 @@ class ForwardProcessUpdate:
                         batch = self._batch(policy, x0, noise, sigma, embeds, advantages[idx], mask[idx],
                                             traj.group_ids[idx])
                         loss, s = loss_fn(batch)
-                    runtime.backward(loss / draw.timesteps_per_sample)
-                    pending += loss.item() / draw.timesteps_per_sample / accum
+                    acc.backward(loss / draw.timesteps_per_sample, loss.item() / draw.timesteps_per_sample)
                     for key, v in s.items():
                         stats[key] = stats.get(key, 0.0) + v / draw.timesteps_per_sample
-                if (k + 1) % accum == 0:
-                    stats.update(runtime.optimizer_step(pending))
-                    stats["loss"] = pending
-                    pending = 0.0
+                stats.update(acc.end_micro_batch())
                 out.append(stats)
         if self.old is not None:
             out[-1]["old_decay"] = self.old.update(policy.model, iteration + 1)
@@ -201,6 +204,8 @@ class ForwardProcessUpdate:
 
         @torch.no_grad()
         def ref() -> torch.Tensor:
+            if not self.parts.loss.needs_reference:
+                raise ValueError("grpo.loss: this loss reads the reference model but does not declare needs_reference")
             with policy.reference() as ref_model:
                 return ref_model(x_t, sigma, embeds)
 

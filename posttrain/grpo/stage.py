@@ -72,7 +72,6 @@ class GRPOConfig(StageConfig):
         super().validate(prefix)
         check_reward_weights(self.rewards)
         iteration_shape(self)
-        check_log_probs(self)
         check_engine(self)
         blocker = merge_lora_blocker(self.train.precision, distributed=False)  # several ranks: checked at start
         if self.perf.merge_lora and self.policy.lora_rank > 0 and blocker:
@@ -91,31 +90,29 @@ def iteration_shape(cfg: GRPOConfig) -> tuple[int, int, int]:
     return n, n // mb, cfg.grpo.inner_epochs * (n // mb) // accum
 
 
-def check_log_probs(cfg: GRPOConfig) -> None:
-    """``ValueError`` naming ``grpo.loss.name`` when the loss trains on log-probs and ``rollout.step``
-    is deterministic (it records none)."""
-    from rollout.steps import get_step
-
-    loss = cfg.grpo.build().loss
-    if getattr(loss, "needs_log_probs", True) and getattr(get_step(cfg.rollout.step), "deterministic", False):
-        raise ValueError(f"grpo.loss.name: '{cfg.grpo.loss['name']}' trains on the rollout's log-probs; rollout.step "
-                         f"'{cfg.rollout.step}' records none (use sde, cps or ddim, or a forward-process loss: "
-                         f"nft, awm, dgpo)")
-
-
 def check_engine(cfg: GRPOConfig) -> None:
-    """``ValueError`` naming the keys when the rollout engine, its mode and the old log-probs do not go
-    together: stale samples are corrected against recomputed old log-probs; the forward-process losses
-    sample with their own copies and stay on the local engine."""
-    eng, g = cfg.engine, cfg.grpo
-    needs_log_probs = getattr(g.build().loss, "needs_log_probs", True)
-    if eng.name == "ray" and getattr(g.build().loss, "update_class", None) is not None:
-        raise ValueError(f"engine.name: ray trains the per-transition log-prob losses; grpo.loss.name "
-                         f"'{g.loss['name']}' samples with its own copy of the policy: use engine.name: local")
+    """``ValueError`` naming the keys when the loss part's declarations
+    (:func:`posttrain.grpo.parts.base.check_loss`: its update engine, log-probs, groups, old copy,
+    the rollout engine, the launch's process count), its forward-process draws and the schedule,
+    its whole-group mini-batches and ``train.batch_size``, the rollout engine, its mode and the old
+    log-probs do not go together: stale samples are corrected against recomputed old log-probs.
+    Reads the loss class and options only: no part is built."""
+    from posttrain.grpo.forward_update import ForwardDraw
+    from posttrain.grpo.parts.base import check_loss
+    from pretrain.parallel.launch import launched_world_size
+
+    ro, eng, g = cfg.rollout, cfg.engine, cfg.grpo
+    loss, options = g.loss_class()
+    check_loss(loss, g.loss["name"], step=ro.step, rollout_engine=eng.name, world_size=launched_world_size())
+    if isinstance(options, ForwardDraw):
+        options.candidates(ro.num_inference_steps, "grpo.loss.")
+    if loss.needs_groups and cfg.train.batch_size % ro.group_size:
+        raise ValueError(f"train.batch_size: this loss compares the samples of a prompt group, so a mini-batch "
+                         f"must hold whole groups of {ro.group_size}; {cfg.train.batch_size} is not a multiple")
     if cfg.reward_engine.engine == "ray" and eng.name != "ray":
         raise ValueError("reward_engine.engine: ray scores the rollout workers' results as they arrive; set "
                          "engine.name: ray (or reward_engine.engine: local)")
-    if g.old_log_prob == "recompute" and not needs_log_probs:
+    if g.old_log_prob == "recompute" and not loss.needs_log_probs:
         raise ValueError(f"grpo.old_log_prob: recompute applies to log-prob losses, not '{g.loss['name']}'")
     if eng.mode != "sync" and g.rollout_correction.mode != "none" and g.old_log_prob != "recompute":
         raise ValueError(f"engine.mode: {eng.mode} corrects stale samples by pi_old / pi_behaviour: set "
@@ -184,7 +181,7 @@ class GRPORun(PolicyRun):
         self.prompts = EpochSampler(len(st.train_set), self.seed)
         self.scorer = AsyncScorer(self.rewards, self.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
-        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=self.rewards)
+        self.guard = Guard.for_stage(cfg.guard, st, trained=self.rewards)
         self.actor = build_rollout_actor(cfg, self.perf, policy=st.policy, sampling_model=self.sampling_model,
                                          sampler=self.sampler, codec=st.codec, prompts=st.train_set,
                                          image_size=meta["image_size"], device=st.device)

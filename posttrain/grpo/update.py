@@ -6,12 +6,14 @@ trajectory recorded; this module only decides how the CFG branches are computed 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from posttrain.grpo.parts.base import UPDATES, LossPart
 from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model, records_uncond
 from posttrain.objectives.rollout_correction import CorrectionConfig, correction_weights
+from pretrain.runtime.accumulate import Accumulation
 from pretrain.seeding import generator_for
 from rollout.branches import CFGBranches
 from rollout.sampler import log_prob
@@ -47,24 +49,33 @@ class GRPOAlgorithmConfig:
 
     def validate(self, prefix: str = "") -> None:
         """Checks the parts' names and options, and fills in each part's defaults, so the run's saved
-        ``config.yaml`` records every option the parts ran with."""
+        ``config.yaml`` records every option the parts ran with. Builds no part (a part may keep state:
+        the run builds each once, :meth:`build`); the loss part's declarations are checked against the
+        rollout by :func:`posttrain.grpo.parts.base.check_loss`."""
+        from posttrain.grpo.parts.registry import REGISTRIES
+
         if self.inner_epochs < 1:
             raise ValueError(f"{prefix}inner_epochs: must be >= 1")
         if self.old_log_prob not in ("rollout", "recompute"):
             raise ValueError(f"{prefix}old_log_prob: '{self.old_log_prob}' is not one of rollout, recompute")
-        parts = self.build(prefix)
-        for key in ("advantage", "selection", "loss"):
-            options = getattr(getattr(parts, key), "cfg", None)
+        for key, registry in REGISTRIES.items():
+            _, options = registry.options(getattr(self, key), f"{prefix}{key}")
             if is_dataclass(options):
                 setattr(self, key, {"name": getattr(self, key)["name"], **asdict(options)})
 
+    def loss_class(self, prefix: str = "grpo.") -> tuple[type[LossPart], Any]:
+        """(the class of the loss part ``loss.name`` names, its loaded options), not built; ``ValueError``
+        naming the key."""
+        from posttrain.grpo.parts.registry import LOSSES
+
+        return LOSSES.options(self.loss, f"{prefix}loss")
+
     def build(self, prefix: str = "grpo.") -> "GRPOParts":
         """The registered parts this block names; ``ValueError`` naming the key of a bad name or option."""
-        from posttrain.grpo.parts.registry import ADVANTAGES, LOSSES, SELECTIONS
+        from posttrain.grpo.parts.registry import REGISTRIES
 
-        return GRPOParts(ADVANTAGES.build(self.advantage, f"{prefix}advantage"),
-                         SELECTIONS.build(self.selection, f"{prefix}selection"),
-                         LOSSES.build(self.loss, f"{prefix}loss"))
+        return GRPOParts(**{key: registry.build(getattr(self, key), f"{prefix}{key}")
+                            for key, registry in REGISTRIES.items()})
 
 
 @dataclass
@@ -73,16 +84,17 @@ class GRPOParts:
 
     advantage: Any
     selection: Any
-    loss: Any
+    loss: LossPart
 
     def stateful(self) -> dict:
         """The parts that keep state across iterations (they have ``state_dict``), by checkpoint key."""
         return {f"grpo.{k}": p for k, p in vars(self).items() if hasattr(p, "state_dict")}
 
     def update(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None, policy):
-        """The update engine the loss trains with: its ``update_class`` (e.g. the forward-process
-        update of ``nft`` / ``awm`` / ``dgpo``), else :class:`GRPOUpdate` (per-transition log-probs)."""
-        return getattr(self.loss, "update_class", GRPOUpdate)(cfg, perf, self, policy)
+        """The update engine the loss names in its ``update`` (:data:`posttrain.grpo.parts.base.UPDATES`:
+        :class:`GRPOUpdate` for per-transition log-probs, the forward-process update of ``nft`` /
+        ``awm`` / ``dgpo``), built over these parts."""
+        return UPDATES.get(self.loss.update, "grpo.loss.name")(cfg, perf, self, policy)
 
 
 def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: torch.Tensor, mask: torch.Tensor,
@@ -114,7 +126,7 @@ def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: to
             extra = {"is_weight_mean": float(w[stale].mean()), "is_weight_max": float(w[stale].max()),
                      "rejected_frac": float((~inside[stale]).float().mean())}
     ref = None
-    if getattr(loss, "needs_reference", False):
+    if loss.needs_reference:
         with torch.no_grad(), policy.reference() as ref_model:
             ref = log_prob(ref_model, traj, ts)
     value, stats = loss(new, old, adv, keep, ref)
@@ -135,7 +147,12 @@ def merge_stats(acc: dict, stats: dict, weight: float) -> None:
 
 class GRPOUpdate:
     """One iteration's policy update: ``cfg`` the ``grpo:`` block, ``perf`` the speed options (same
-    loss and gradients up to float rounding; ``perf.merge_lora`` resolved to a bool by the caller)."""
+    loss and gradients up to float rounding; ``perf.merge_lora`` resolved to a bool by the caller).
+    The ``"transition"`` update engine: it provides recomputed log-probs (``supports``) and runs under
+    ``torchrun``."""
+
+    supports: ClassVar[frozenset[str]] = frozenset({"needs_log_probs"})
+    distributed: ClassVar[bool] = True
 
     def __init__(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None = None, parts: GRPOParts | None = None,
                  policy=None):
@@ -164,14 +181,14 @@ class GRPOUpdate:
         trains its share of the samples; the loss is then rescaled by dp x (local valid count) /
         (global valid count), so that the gradient FSDP averages over ranks is the mean over all
         ranks' valid samples even when ranks mask different numbers of them."""
-        perf, n, accum = self.perf, len(traj), runtime.cfg.grad_accum
-        out, pending = [], 0.0
+        perf, n, acc = self.perf, len(traj), Accumulation(runtime)
+        out = []
         reuse = traj.uncond_velocities is not None and records_uncond(perf, self.cfg.detach_uncond,
                                                                       traj.settings.guidance_scale)
         policy.model.train()
         for epoch in range(self.cfg.inner_epochs):
             perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, epoch))
-            for k, start in enumerate(range(0, n, mini_batch_size)):
+            for start in range(0, n, mini_batch_size):
                 idx = perm[start:start + mini_batch_size]
                 mb = traj.select(idx)
                 mb_stats: dict[str, float] = {}
@@ -187,13 +204,12 @@ class GRPOUpdate:
                         loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx],
                                                       loss=self.parts.loss, branches=branches,
                                                       correction=self.cfg.rollout_correction, version=iteration)
-                    runtime.backward(loss * share * weight)
-                    pending += loss.item() * share / accum
+                    acc.backward(loss * share * weight, loss.item() * share)
                     merge_stats(mb_stats, stats, share)
-                if (k + 1) % accum == 0:
-                    mb_stats.update(runtime.optimizer_step(pending))
-                    mb_stats["loss"] = pending
-                    pending, reuse = 0.0, False
+                stepped = acc.end_micro_batch()
+                if stepped:
+                    mb_stats.update(stepped)
+                    reuse = False
                     traj.uncond_velocities = None  # stale from here on; frees the buffer
                 out.append(mb_stats)
         return out

@@ -125,7 +125,7 @@ class MidtrainRun(PolicyRun):
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             compile_blocks(st.model)
         self.sampler = EpochSampler(len(st.train_set), cfg.train.seed)
-        self.guard = Guard.for_stage(cfg.guard, st, ranks.distributed, trained=None)
+        self.guard = Guard.for_stage(cfg.guard, st, trained=None)
         resumed = self.start_runtime({"sampler": self.sampler}, headline=("loss", "heldout_loss"))
         rt = self.rt
         mode = f"LoRA rank {cfg.policy.lora_rank}" if st.policy.lora else "full fine-tuning"

@@ -29,6 +29,13 @@ def _launcher_processes(pid: int) -> int | None:
     return None
 
 
+def launched_world_size() -> int:
+    """The number of processes the launcher started (``WORLD_SIZE``, set by ``torchrun`` and by
+    ``accelerate launch --multi_gpu``), 1 without one: known before any process group or model, so a
+    config check can refuse what cannot run under it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def check_launcher() -> None:
     """``ConfigError`` when ``accelerate launch --cpu --num_processes N`` (N > 1) started this process
     alone: accelerate's ``--cpu`` launcher starts one process (its multi-CPU mode needs MPI), so the

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.objectives.forward_losses import awm_loss, masked_mean, velocity_kl
-from posttrain.grpo.forward_update import ForwardDraw, ForwardProcessUpdate
+from posttrain.grpo.forward_update import ForwardDraw
 from posttrain.grpo.old_policy import OldDecay
+from posttrain.grpo.parts.base import LossPart
 from posttrain.grpo.parts.registry import LOSSES
 
 
 @LOSSES.register("awm")
-class AWMLoss:
+class AWMLoss(LossPart):
     """loss = masked mean of (s A) ||v - (eps - x0)||^2 / D + beta * mean ||v - v_ref||^2 / D
     + ema_beta * mean ||v - v_old||^2 / D: each sample's flow-matching loss weighted by its advantage
     A (times ``advantage_scale``), a velocity KL to the reference model and one to an EMA copy of the
@@ -41,12 +42,14 @@ class AWMLoss:
             if self.beta < 0 or self.ema_beta < 0:
                 raise ValueError(f"{prefix}beta: beta and ema_beta must be >= 0, got {self.beta}, {self.ema_beta}")
 
-    update_class = ForwardProcessUpdate
+    update = "forward"
     needs_log_probs = False
+    keeps_old = True
 
     def __init__(self, cfg: "AWMLoss.Config"):
         self.cfg = self.draw = cfg
         self.old_decay = cfg.old_decay if cfg.ema_beta > 0 else None
+        self.needs_reference = cfg.beta > 0
 
     def __call__(self, batch):
         c = self.cfg

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 from pretrain.flow import flow_matching_loss
 from posttrain.objectives.forward_losses import dgpo_loss, masked_mean, velocity_kl
-from posttrain.grpo.forward_update import ForwardDraw, ForwardProcessUpdate
+from posttrain.grpo.forward_update import ForwardDraw
+from posttrain.grpo.parts.base import LossPart
 from posttrain.grpo.parts.registry import LOSSES
 
 
 @LOSSES.register("dgpo")
-class DGPOLoss:
+class DGPOLoss(LossPart):
     """loss = mean over prompt groups of -log sigmoid(-s_g) (or the hinge / ipo pair loss),
     s_g = (beta / G) sum_i A_i (e_i - e_ref,i), e the flow-matching error of the policy and e_ref of
     the reference model at the same draw (shared by the group), + kl_beta * mean ||v - v_ref||^2 / D.
@@ -44,10 +45,10 @@ class DGPOLoss:
             if self.kl_beta < 0:
                 raise ValueError(f"{prefix}kl_beta: must be >= 0, got {self.kl_beta}")
 
-    update_class = ForwardProcessUpdate
+    update = "forward"
     needs_log_probs = False
     needs_groups = True
-    old_decay = None
+    needs_reference = True  # the reference's errors are half of each pair term
 
     def __init__(self, cfg: "DGPOLoss.Config"):
         self.cfg = self.draw = cfg

@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.objectives.forward_losses import masked_mean, nft_loss, nft_optimality, velocity_kl
-from posttrain.grpo.forward_update import ForwardDraw, ForwardProcessUpdate
+from posttrain.grpo.forward_update import ForwardDraw
 from posttrain.grpo.old_policy import OldDecay
+from posttrain.grpo.parts.base import LossPart
 from posttrain.grpo.parts.registry import LOSSES
 
 
 @LOSSES.register("nft")
-class NFTLoss:
+class NFTLoss(LossPart):
     """loss = masked mean of m (r L+ + (1 - r) L-) / beta + kl_beta * mean ||v - v_ref||^2 / D, with
     r = clip(A / m / 2 + 0.5, 0, 1) the optimality probability of each sample's advantage A and
     L+- the adaptive-weighted x0 errors of the implicit positive and negative policies mixed from the
@@ -43,13 +44,15 @@ class NFTLoss:
             if self.kl_beta < 0:
                 raise ValueError(f"{prefix}kl_beta: must be >= 0, got {self.kl_beta}")
 
-    update_class = ForwardProcessUpdate
+    update = "forward"
     needs_log_probs = False
+    keeps_old = True
     rollout_with_old = True
 
     def __init__(self, cfg: "NFTLoss.Config"):
         self.cfg = self.draw = cfg
         self.old_decay = cfg.old_decay
+        self.needs_reference = cfg.kl_beta > 0
 
     def __call__(self, batch):
         c = self.cfg

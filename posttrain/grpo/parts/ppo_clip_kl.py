@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.objectives.ppo import kl_to_reference, ppo_clip_loss
+from posttrain.grpo.parts.base import LossPart
 from posttrain.grpo.parts.registry import LOSSES
 
 
 @LOSSES.register("ppo_clip_kl")
-class PPOClipKL:
+class PPOClipKL(LossPart):
     """loss = mean over unmasked rows of max(-A r, -A clip(r, 1 - clip_range, 1 + clip_range))
     + beta * masked mean of KL(policy || reference), r = exp(log_prob - old_log_prob)."""
 
