@@ -74,7 +74,7 @@ class OfflineSource(PairSource):
 
     def heldout(self, policy) -> dict:
         """``heldout_implicit_acc`` of the held-out pairs ({} when ``offline.heldout_fraction`` is 0)."""
-        from posttrain.dpo.stage import implicit_accuracy
+        from posttrain.dpo.step import implicit_accuracy
 
         if self.held_pairs is None:
             return {}

@@ -121,7 +121,8 @@ def test_offline_dpo_raises_heldout_implicit_accuracy(tiny_export, tmp_path, cap
 def test_winner_equal_to_loser_gives_zero_inside_term(tiny_export, tmp_path):
     """Winner and loser share noise, sigma and prompt: identical images give inside == 0 exactly,
     even for a policy that differs from its reference."""
-    from posttrain.dpo.stage import DPOLossConfig, pair_errors
+    from posttrain.dpo.stage import DPOLossConfig
+    from posttrain.dpo.step import pair_errors
     from posttrain.dpo.data import PairSet
     from posttrain.objectives.dpo_loss import dpo_inside_term
     from posttrain.base.policy import PolicyConfig
