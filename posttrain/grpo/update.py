@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from posttrain.grpo.perf import PerfConfig, apply_preset, records_uncond
+from posttrain.grpo.ranks import equal_chunks
 from posttrain.objectives.rollout_correction import CorrectionConfig, correction_weights
 from pretrain.seeding import generator_for
 from rollout.branches import CFGBranches
@@ -180,16 +181,16 @@ class GRPOUpdate:
                                        perf.uncond_in_batch, reuse)
                 weight = _global_count_weight(mask[idx], dp_group)
                 per = perf.transitions_per_forward or len(transitions)
-                for c in range(0, len(transitions), per):
-                    chunk = transitions[c:c + per]
-                    share = len(chunk) / len(transitions)
+                for chunk, real in equal_chunks(transitions, per):  # padded: as many forwards on every rank
+                    share = len(chunk) / len(transitions) if real else 0.0
                     with runtime.autocast():
                         loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx],
                                                       loss=self.parts.loss, branches=branches,
                                                       correction=self.cfg.rollout_correction, version=iteration)
                     runtime.backward(loss * share * weight)
                     pending += loss.item() * share / accum
-                    merge_stats(mb_stats, stats, share)
+                    if real:
+                        merge_stats(mb_stats, stats, share)
                 if (k + 1) % accum == 0:
                     mb_stats.update(runtime.optimizer_step(pending))
                     mb_stats["loss"] = pending
@@ -220,11 +221,10 @@ class GRPOUpdate:
             branches = CFGBranches(policy.model, self.cfg.detach_uncond,
                                    policy.inference_model(runtime.step) if perf.merge_lora else None,
                                    perf.uncond_in_batch, reuse)
-            for c in range(0, len(transitions), per):
-                chunk = transitions[c:c + per]
+            for chunk, real in equal_chunks(transitions, per):
                 with runtime.autocast():
                     lp = log_prob(branches, mb, chunk).log_prob.float().reshape(len(chunk), len(idx))
-                for j, t in enumerate(chunk):
+                for j, t in enumerate(chunk if real else []):
                     old[rows, t] = lp[j].to(old.device)
         traj.old_log_probs = old
 
