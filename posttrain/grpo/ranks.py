@@ -86,3 +86,26 @@ class RankLayout(StageRanks):
     def local(self, t: torch.Tensor, group_size: int) -> torch.Tensor:
         """This rank's samples of a gathered per-sample tensor ``[n * dp, ...]``."""
         return t[self.start * group_size:self.stop * group_size]
+
+
+def equal_chunks(transitions: list[int], per: int) -> list[tuple[list[int], bool]]:
+    """The chunks of ``per`` transitions one mini-batch's forwards take, ``(chunk, real)``, padded so that
+    every rank makes the same number of forwards: under FSDP2 each forward all-gathers the sharded
+    blocks, so a rank with fewer chunks (a selection or window that differs by rank) would leave the
+    others waiting in a collective, or pair mismatched ones. A padding chunk (``real`` False) repeats
+    this rank's last chunk; the caller weights its loss by 0 (its backward still joins the
+    reduce-scatters) and keeps nothing of it. Without a process group: no padding. ``ValueError`` on
+    every rank when some rank has no transition while another has some (nothing to repeat)."""
+    chunks = [(transitions[c:c + per], True) for c in range(0, len(transitions), per)]
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return chunks
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    n = torch.tensor([len(chunks), -len(chunks)], dtype=torch.long, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    most, fewest = int(n[0]), -int(n[1])
+    if fewest == 0 and most > 0:
+        raise ValueError(f"a rank has no transition to train while another has {most} chunk(s): the selection "
+                         f"must give every rank at least one")
+    return chunks + [(chunks[-1][0], False)] * (most - len(chunks))

@@ -120,6 +120,8 @@ def check_engine(cfg: GRPOConfig) -> None:
 
 
 LAST = ("lr", "nonfinite_total", "amp_overflows")
+#: Update stats equal on every rank (agreed by the runtime), logged as they are rather than pooled.
+RANK_SAME = (*LAST, "grad_norm", "skipped", "spike", "spikes_total", "adam_eps_dominated_frac")
 
 
 def summarize(stats: list[dict]) -> dict:
@@ -245,10 +247,12 @@ class GRPORun(PolicyRun):
         diversity = group_diversity(traj.images, traj.group_ids)  # this rank's groups
         if self.guard is not None:
             self.guard.observe(diversity)
-        extra = {"diversity": diversity, **{f"reward/{n}_truncated_frac": f for n, f in truncated.items()}}
+        # this rank's update stats and diversity, pooled over the ranks (means by trained samples, true maxima)
+        pooled = self.ranks.pool({**summarize(stats), "diversity": diversity}, float(mask.sum()), RANK_SAME)
+        extra = {**{f"reward/{n}_truncated_frac": f for n, f in truncated.items()}}
         if text_truncated is not None:
             extra["text_encoder_truncated_frac"] = text_truncated
-        return {**reward_stats(total, raw), **summarize(stats), **extra, "zero_spread_frac": float(zero.float().mean()),
+        return {**reward_stats(total, raw), **pooled, **extra, "zero_spread_frac": float(zero.float().mean()),
                 "samples": self.n, "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
                 **batch.metrics, "time_advantage_s": t2 - t1, "time_train_s": t3 - t_old, "peak_rss_mb": peak_rss_mb(),
                 **({"time_old_log_prob_s": t_old - t2} if cfg.grpo.old_log_prob == "recompute" else {})}

@@ -12,6 +12,7 @@ import torch
 
 from posttrain.grpo.parts.base import UPDATES, LossPart
 from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model, records_uncond
+from posttrain.grpo.ranks import equal_chunks
 from posttrain.objectives.rollout_correction import CorrectionConfig, correction_weights
 from pretrain.runtime.accumulate import Accumulation
 from pretrain.seeding import generator_for
@@ -197,15 +198,15 @@ class GRPOUpdate:
                                        perf.uncond_in_batch, reuse)
                 weight = _global_count_weight(mask[idx], dp_group)
                 per = perf.transitions_per_forward or len(transitions)
-                for c in range(0, len(transitions), per):
-                    chunk = transitions[c:c + per]
-                    share = len(chunk) / len(transitions)
+                for chunk, real in equal_chunks(transitions, per):  # padded: as many forwards on every rank
+                    share = len(chunk) / len(transitions) if real else 0.0
                     with runtime.autocast():
                         loss, stats = transition_loss(policy, mb, chunk, advantages[idx], mask[idx],
                                                       loss=self.parts.loss, branches=branches,
                                                       correction=self.cfg.rollout_correction, version=iteration)
                     acc.backward(loss * share * weight, loss.item() * share)
-                    merge_stats(mb_stats, stats, share)
+                    if real:
+                        merge_stats(mb_stats, stats, share)
                 stepped = acc.end_micro_batch()
                 if stepped:
                     mb_stats.update(stepped)
@@ -236,11 +237,10 @@ class GRPOUpdate:
             branches = CFGBranches(policy.model, self.cfg.detach_uncond,
                                    policy.inference_model(runtime.step) if perf.merge_lora else None,
                                    perf.uncond_in_batch, reuse)
-            for c in range(0, len(transitions), per):
-                chunk = transitions[c:c + per]
+            for chunk, real in equal_chunks(transitions, per):
                 with runtime.autocast():
                     lp = log_prob(branches, mb, chunk).log_prob.float().reshape(len(chunk), len(idx))
-                for j, t in enumerate(chunk):
+                for j, t in enumerate(chunk if real else []):
                     old[rows, t] = lp[j].to(old.device)
         traj.old_log_probs = old
 

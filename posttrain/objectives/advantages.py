@@ -6,6 +6,10 @@ from its group's statistics and gets advantage 0 (its sample is masked out of th
 zero spread gets 0, never NaN. Zero spread is judged relative to the rewards' scale
 (:func:`has_spread`), so eight float32 rewards equal up to rounding are a zero-spread group, not a
 group whose float residues become +/-3e-4 advantages.
+
+Precision: each group's mean and std are computed in float64 by two passes (mean first, then the mean
+squared deviation from it: :func:`standardize`), never as E[r^2] - E[r]^2 nor in float32, so rewards
+near a large constant (1e6 + small noise) keep their spread; only the result is float32.
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ def has_spread(values: torch.Tensor, rtol: float = SPREAD_RTOL) -> bool:
     return std > 0.0 and std > rtol * float(values.abs().max())
 
 
+def standardize(values: torch.Tensor, ref: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """(values - mean(ref)) / (std(ref) + eps), float64 ``[n]`` for finite ``values`` ``[n]`` and ``ref``
+    ``[m]`` (any float dtype), with the population std (ddof = 0) computed in float64 by two passes
+    (the mean, then the mean squared deviation from it)."""
+    ref = ref.double()
+    mean = ref.sum() / ref.numel()
+    std = ((ref - mean) ** 2).sum().div(ref.numel()).sqrt()
+    return (values.double() - mean) / (std + eps)
+
+
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, adv_clip_max: float = 5.0
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Args: ``rewards`` float ``[B]`` (NaN allowed), ``group_ids`` long ``[B]`` (same id = same prompt).
@@ -32,7 +46,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, adv_clip_ma
     Returns (advantages float32 ``[B]``, valid bool ``[B]`` = reward is finite, zero_spread bool
     ``[B]`` = the sample's group has no two finite rewards that differ by more than rounding:
     :func:`has_spread`)."""
-    r = rewards.float()
+    r = rewards.double()  # the group statistics in float64 (module docstring); float32 only at the end
     valid = torch.isfinite(r)
     adv = torch.zeros_like(r)
     zero_spread = torch.zeros_like(valid)
@@ -46,8 +60,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, adv_clip_ma
         if not has_spread(vals):
             zero_spread |= members
             continue
-        adv[m] = (vals - vals.mean()) / (vals.std(unbiased=False) + EPS)
-    return adv.clamp(-adv_clip_max, adv_clip_max), valid, zero_spread
+        adv[m] = standardize(vals, vals)
+    return adv.clamp(-adv_clip_max, adv_clip_max).float(), valid, zero_spread
 
 
 def per_reward_advantages(raw: dict[str, torch.Tensor], weights: dict[str, float], group_ids: torch.Tensor,

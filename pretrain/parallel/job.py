@@ -11,6 +11,7 @@ method is the identity or a plain call, so single-process runs are unchanged bit
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -115,6 +116,36 @@ class JobRanks:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.mesh.dp_group)
         return (t / self.dp_size).tolist()
+
+    def pool(self, metrics: dict, count: float, same: tuple[str, ...] = ()) -> dict:
+        """This rank's ``metrics`` (numbers over its ``count`` samples) pooled over the data-parallel
+        ranks, as if one process had computed them over every sample: keys ending in ``_max`` take the
+        maximum over ranks, ``_min`` the minimum, every other number the count-weighted mean
+        sum_r count_r * value_r / sum_r count_r (the pooled mean, right under uneven splits, where a
+        mean of per-rank means is not; the plain mean when no rank has a sample; NaN stays NaN). Keys
+        in ``same`` (equal on every rank, e.g. the global gradient norm, the LR) and non-numbers are
+        rank 0's; a key some ranks lack is pooled over the ranks that have it. One
+        ``all_gather_object`` of a small dict; unchanged in one process."""
+        if not self.mesh or self.dp_size == 1:
+            return dict(metrics)
+        rows: list = [None] * self.dp_size
+        dist.all_gather_object(rows, (float(count), metrics), group=self.mesh.dp_group)
+        out = dict(rows[0][1])
+        for key, value in metrics.items():
+            if key in same or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            have = [(c, m[key]) for c, m in rows if isinstance(m.get(key), (int, float))]
+            vals = [float(v) for _, v in have]
+            if any(math.isnan(v) for v in vals):
+                out[key] = float("nan")
+            elif key.endswith("_max"):
+                out[key] = max(vals)
+            elif key.endswith("_min"):
+                out[key] = min(vals)
+            else:
+                total = sum(c for c, _ in have)
+                out[key] = (sum(c * v for c, v in have) / total) if total > 0 else sum(vals) / len(vals)
+        return out
 
     # -- setup -----------------------------------------------------------------------------------
     def shard(self, model: torch.nn.Module, reference: torch.nn.Module | None, parallel: ParallelConfig,

@@ -12,7 +12,10 @@ from pretrain.runtime.low_precision import LowPrecisionConfig
 @dataclass
 class OptimConfig:
     """AdamW (Loshchilov & Hutter 2019) with linear warm-up then ``schedule`` ("constant" or "cosine"
-    down to ``min_lr_ratio * lr``); gradients clipped to ``grad_clip`` (0 = no clipping)."""
+    down to ``min_lr_ratio * lr``); gradients clipped to ``grad_clip`` (0 = no clipping).
+    ``eps_check_every``: log ``adam_eps_dominated_frac``, the share of trainable elements whose update
+    ``eps`` dominates (:mod:`pretrain.runtime.adam_eps`), at optimizer step 1 and every N steps (0 = off);
+    RL fine-tuning usually wants ``eps`` far below 1e-8 (docs/grpo.md)."""
 
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -22,8 +25,11 @@ class OptimConfig:
     schedule: str = "constant"
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
+    eps_check_every: int = 10
 
     def validate(self, prefix: str = "") -> None:
+        if self.eps_check_every < 0:
+            raise ValueError(f"{prefix}eps_check_every: must be >= 0 (0 = off), got {self.eps_check_every}")
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ValueError(f"{prefix}lr: must be a finite number > 0, got {self.lr}")
         if self.schedule not in ("constant", "cosine"):

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from pretrain.runtime.adam_eps import EpsMonitor
 from pretrain.runtime.checkpoint import (CheckpointError, CheckpointManager, own_rank, per_rank, rng_state,
                                          set_rng_state)
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
@@ -94,6 +95,7 @@ class Runtime:
                       "optim.min_lr_ratio": optim.min_lr_ratio, **(shape or {})}
         self.step = 0
         self.amp_overflows = 0
+        self.eps_monitor = EpsMonitor(optim.eps_check_every)
 
     # -- one optimizer step -------------------------------------------------------------------
     def autocast(self):
@@ -117,7 +119,9 @@ class Runtime:
         data-parallel replicas are compared (:func:`pretrain.parallel.replicas.check_replicas`).
 
         Returns metrics: grad_norm, lr, skipped (0/1), nonfinite (name of the bad quantity and, with
-        several ranks, where; or ""), nonfinite_total, amp_overflows, spike (0/1), spikes_total. Raises
+        several ranks, where; or ""), nonfinite_total, amp_overflows, spike (0/1), spikes_total, and at
+        step 1 and every ``optim.eps_check_every`` steps adam_eps_dominated_frac
+        (:mod:`pretrain.runtime.adam_eps`; warned about once above 0.5). Raises
         ``NonFiniteError`` after too many bad steps in a row, ``ReplicaDriftError`` when replicas differ."""
         scaler, opt, step = self.precision.scaler, self.optimizer, self.step + 1
         loss_value = faults.inject(step, loss_value, self.params)
@@ -167,7 +171,7 @@ class Runtime:
                                     f"named ranks' hardware, e.g. with posttrain doctor, before resuming)")
         return {"grad_norm": grad_norm, "lr": lr, "skipped": int(overflow or bad is not None or skip_spike),
                 "nonfinite": bad or "", "nonfinite_total": self.guard.total, "amp_overflows": self.amp_overflows,
-                "spike": int(bool(spikes)), "spikes_total": self.spikes_total}
+                "spike": int(bool(spikes)), "spikes_total": self.spikes_total, **self.eps_monitor(opt, step)}
 
     def _across_ranks(self, loss_value: float, grad_norm: float, buckets: dict[str, tuple[float, int]]
                       ) -> tuple[dict[str, list[int]], dict[str, float]]:

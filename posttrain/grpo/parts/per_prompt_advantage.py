@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.objectives.advantages import has_spread
+from posttrain.objectives.advantages import has_spread, standardize
 from posttrain.grpo.parts.registry import ADVANTAGES
 
 EPS = 1e-6
@@ -53,7 +53,7 @@ class PerPromptAdvantage:
         """``total`` float ``[N]`` (NaN allowed), ``prompt_ids`` long ``[N]``: (advantages float32 ``[N]``,
         valid bool ``[N]``, zero_spread bool ``[N]`` = the statistics used have no spread beyond rounding:
         :func:`posttrain.objectives.advantages.has_spread`)."""
-        r = total.float()
+        r = total.double()  # statistics in float64 (posttrain.objectives.advantages.standardize)
         valid = torch.isfinite(r)
         adv, zero = torch.zeros_like(r), ~valid
         batch = r[valid]
@@ -61,12 +61,12 @@ class PerPromptAdvantage:
             m = valid & (prompt_ids == p)
             buf = (self.buffers.get(p, []) + r[m].tolist())[-self.cfg.buffer_size:]
             self.buffers[p] = buf
-            ref = torch.tensor(buf) if len(buf) >= self.cfg.min_count else batch
+            ref = torch.tensor(buf, dtype=torch.float64) if len(buf) >= self.cfg.min_count else batch
             if not has_spread(ref):
                 zero |= m
                 continue
-            adv[m] = (r[m] - ref.mean()) / (ref.std(unbiased=False) + EPS)
-        return adv.clamp(-self.cfg.clip_max, self.cfg.clip_max), valid, zero
+            adv[m] = standardize(r[m], ref, EPS)
+        return adv.clamp(-self.cfg.clip_max, self.cfg.clip_max).float(), valid, zero
 
     def state_dict(self) -> dict:
         """The buffers, as one JSON string (checkpoints store it whole)."""

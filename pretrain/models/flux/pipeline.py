@@ -90,17 +90,22 @@ class FluxAdapter(Backbone):
         return scheduler.sigmas.to(torch.float32).cpu()
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        """FLUX convention: the scheduler's timestep sigma * ``num_train_timesteps`` over 1000 (float32;
-        the transformer multiplies by 1000 itself)."""
-        return sigma.to(torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000) / 1000
+        """FLUX convention: the scheduler's timestep sigma * ``num_train_timesteps`` over 1000 (the
+        transformer multiplies by 1000 itself), rounded as ``FluxPipeline`` rounds it: cast to the
+        weights' dtype before the division (``t.to(latents.dtype) / 1000``), so bf16 weights receive
+        bf16 timesteps. Returned as float32 (shape of ``sigma``); exactly what :meth:`forward` feeds."""
+        return self._fed_timestep(sigma, next(self.transformer.parameters()).dtype).float()
+
+    def _fed_timestep(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = sigma.to(torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000)
+        return t.to(dtype) / 1000  # what FluxPipeline passes: scheduler timestep (in its dtype) / 1000
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         from diffusers import FluxPipeline
 
         b, c, h, w = x.shape
         dtype, device = next(self.transformer.parameters()).dtype, x.device
-        t = sigma.to(device, torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000)
-        timestep = t.to(dtype) / 1000  # what FluxPipeline passes: scheduler timestep / 1000
+        timestep = self._fed_timestep(sigma.to(device), dtype)
         guidance = None if self.guidance is None else torch.full([b], self.guidance, device=device)
         out = self.transformer(
             hidden_states=FluxPipeline._pack_latents(x.to(dtype), b, c, h, w), timestep=timestep,

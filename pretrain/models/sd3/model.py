@@ -3,7 +3,9 @@ pixel-space pretraining and the adapter around it.
 
 The adapter owns its architecture's sigma -> timestep convention: ``SD3Transformer2DModel`` takes
 timestep = sigma * 1000 (the SD3 pipeline passes the FlowMatchEulerDiscreteScheduler's
-``timesteps = sigmas * num_train_timesteps``).
+``timesteps = sigmas * num_train_timesteps``), in float32 whatever the weights' dtype, as the pipeline
+passes them: the transformer's time embedding casts to its dtype only after the sinusoid, so a bf16
+cast before it would feed 960.129 as 960 and 602.151 as 604.
 """
 
 from __future__ import annotations
@@ -46,14 +48,15 @@ class SD3Adapter(Backbone):
     tp_plan = SD3_TP_PLAN
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        """SD3 convention: timestep = sigma * 1000."""
-        return sigma * self.timestep_scale
+        """SD3 convention: timestep = sigma * 1000, float32 (shape of ``sigma``), what the transformer
+        receives whatever its dtype (as ``StableDiffusion3Pipeline``)."""
+        return sigma.to(torch.float32) * self.timestep_scale
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         dtype = next(self.transformer.parameters()).dtype
         out = self.transformer(
             hidden_states=x.to(dtype), encoder_hidden_states=embeds.tokens.to(dtype),
-            pooled_projections=embeds.pooled.to(dtype), timestep=self.timestep(sigma.to(x.device)).to(dtype),
+            pooled_projections=embeds.pooled.to(dtype), timestep=self.timestep(sigma.to(x.device)),
             return_dict=False,
         )[0]
         return out.float()

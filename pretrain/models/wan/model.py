@@ -50,7 +50,9 @@ class WanVideoAdapter(Backbone):
         return sigma.to(dtype=torch.float32) * self.timestep_scale
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
-        dtype = next(self.transformer.parameters()).dtype
+        # diffusers' dtype skips the float32-kept modules (``_keep_in_fp32_modules``: scale_shift_table, the
+        # time embedder, norms), one of which is the first parameter: bf16 weights take bf16 inputs
+        dtype = self.transformer.dtype
         timestep = self.timestep(sigma.to(device=x.device))
         out = self.transformer(hidden_states=x.to(dtype), timestep=timestep,
                                encoder_hidden_states=embeds.tokens.to(x.device, dtype), return_dict=False)[0]
