@@ -37,6 +37,7 @@ def run_one(cfg: SweepConfig, task: str, arm: str, seed: int, rewards: ProbeRewa
         return json.loads(done.read_text())
     stage_cfg = arm_config(cfg, task, arm, seed)
     stage = get_run(cfg.arms[arm].command, f"arms.{arm}.command")(stage_cfg)
+    stage.logger.open_ended()  # the budget ends the run, not train.steps: no ETA from OPEN_ENDED steps
     rows_path = out / "probes.jsonl"
     rows = [r for r in read_rows(rows_path) if r["iteration"] <= stage.step]  # past the checkpoint: redone
     write_rows(rows_path, rows)
@@ -73,6 +74,20 @@ def run_one(cfg: SweepConfig, task: str, arm: str, seed: int, rewards: ProbeRewa
     return summary
 
 
+def needed(cfg: SweepConfig, step: PrepareStep) -> bool:
+    """Whether a prepare step serves this invocation: one without ``creates``, one that makes the starting
+    export, or one whose ``creates`` (or a folder above it, e.g. a reward model's folder) is named by a
+    selected task (its rewards and overrides) or a selected arm (its config and overrides)."""
+    if not step.creates:
+        return True
+    tasks, arms = cfg.selected()
+    named = " ".join([cfg.pretrained, *(s for t in tasks for s in (cfg.tasks[t].reward, cfg.tasks[t].guard_reward,
+                                                                   *cfg.tasks[t].overrides)),
+                      *(s for a in arms for s in (cfg.arms[a].config, *cfg.arms[a].overrides))])
+    created = Path(step.creates)
+    return any(str(p) in named for p in (created, *created.parents) if str(p) not in ("", ".") and len(p.parts) > 1)
+
+
 def run_prepare_step(step: PrepareStep) -> None:
     """One prepare step: ``train-reward`` trains a learned reward; any other command is a stage of the
     stage table, run to its end (resuming its own checkpoints)."""
@@ -90,6 +105,9 @@ def prepare(cfg: SweepConfig, log=print) -> None:
     not create its path."""
     for i, step in enumerate(cfg.prepare):
         if step.creates and Path(step.creates).exists():
+            continue
+        if not needed(cfg, step):
+            log(f"prepare {i}: skipped, the selected tasks and arms do not use {step.creates}")
             continue
         log(f"prepare {i}: posttrain {step.command} {step.config} {' '.join(step.overrides)}")
         try:

@@ -106,7 +106,9 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
     import matplotlib.pyplot as plt
 
     t = cfg.tasks[task]
-    grid = np.linspace(0.0, cfg.budget_s, int(math.ceil(cfg.budget_s / cfg.eval_every_s)) * 4 + 1)
+    end = max(cfg.budget_s, *(r[-1]["train_s"] for runs in data.values() for r in runs))  # a last iteration may overrun
+    grid = np.union1d(np.linspace(0.0, end, int(math.ceil(end / cfg.eval_every_s)) * 4 + 1),
+                      [r[-1]["train_s"] for runs in data.values() for r in runs])  # each run's final probe exactly
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     panels = ((axes[0, 0], "reward", f"held-out {short(t.reward)}"),
               (axes[1, 0], "guard_loss", "guard: held-out flow-matching loss"),
@@ -132,7 +134,7 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
     axes[0, 1].set_title(f"held-out {short(t.reward)} against samples")
     axes[0, 0].legend(fontsize=8)
     seeds = max(len(runs) for runs in data.values())
-    fig.suptitle(f"sweep task '{task}': {seeds} seed(s), {cfg.budget_s:.0f} s per run, "
+    fig.suptitle(f"sweep task '{task}': {seeds} seed(s), budget {cfg.budget_s:.0f} s per run, "
                  f"{cfg.probe.num_prompts} held-out prompts x {cfg.probe.samples_per_prompt}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -143,16 +145,22 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
 def write_report(cfg: SweepConfig) -> Path:
     """``<run_dir>/report.md`` and one ``<task>.png`` per task with probes; returns the report path."""
     root = Path(cfg.run_dir)
-    lines = [f"# Sweep: {', '.join(cfg.arms)}", "",
-             f"Each run trains {cfg.budget_s:.0f} s (rollout, reward and update; probes, checkpoints and set-up "
-             f"not counted) from `{cfg.pretrained}`, seeds {list(cfg.seeds)}. Held-out probes every "
+    ran = {task: collect(cfg, task) for task in cfg.tasks}
+    arms = [a for a in cfg.arms if any(a in data for data in ran.values())]
+    trained = [r[-1]["train_s"] for data in ran.values() for runs in data.values() for r in runs]
+    spent = (f"; the runs trained {min(trained):.0f}-{max(trained):.0f} s (a run stops at the first iteration "
+             f"boundary past the budget)" if trained else "")
+    lines = [f"# Sweep: {', '.join(arms) or '(no arm has run)'}", "",
+             f"Each run trains until it has spent its budget of {cfg.budget_s:.0f} s (rollout, reward and update; "
+             f"probes, checkpoints and set-up not counted){spent}, from `{cfg.pretrained}`, seeds "
+             f"{list(cfg.seeds)}. Held-out probes every "
              f"{cfg.eval_every_s:.0f} s: {cfg.probe.num_prompts} held-out prompts x {cfg.probe.samples_per_prompt} "
              f"seed(s), ODE {cfg.probe.num_inference_steps} steps, guidance {cfg.probe.guidance_scale}, the same "
              f"for every arm. Gains are paired with the run's own probe at 0 s (the starting export), per-prompt "
              f"means over seeds, SE clustered by prompt; the time to reach the baseline's final reward is "
              f"interpolated between probes, its SE over the seeds that reached it.", ""]
     for task in cfg.tasks:
-        data = collect(cfg, task)
+        data = ran[task]
         if not data:
             lines += [f"## {task}", "", "(not run)", ""]
             continue

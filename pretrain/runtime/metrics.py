@@ -63,6 +63,13 @@ class MetricsLogger:
         path.write_text(run_id + "\n")
         return run_id
 
+    def open_ended(self) -> None:
+        """The progress bar counts steps without a total (and so shows no ETA): for a run that a budget,
+        not ``train.steps``, ends (a sweep's)."""
+        if self.enabled:
+            self.bar.total = None
+            self.bar.refresh()
+
     def log(self, step: int, metrics: dict, advance: bool = True) -> None:
         if not self.enabled:
             return
