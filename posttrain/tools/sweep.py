@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -76,8 +77,9 @@ def run_one(cfg: SweepConfig, task: str, arm: str, seed: int, rewards: ProbeRewa
 
 def needed(cfg: SweepConfig, step: PrepareStep) -> bool:
     """Whether a prepare step serves this invocation: one without ``creates``, one that makes the starting
-    export, or one whose ``creates`` (or a folder above it, e.g. a reward model's folder) is named by a
-    selected task (its rewards and overrides) or a selected arm (its config and overrides)."""
+    export, or one whose ``creates`` or the folder holding it (e.g. a reward model's folder) is named, as a
+    whole path, by a selected task (its rewards and overrides) or a selected arm (its config and
+    overrides)."""
     if not step.creates:
         return True
     tasks, arms = cfg.selected()
@@ -85,7 +87,8 @@ def needed(cfg: SweepConfig, step: PrepareStep) -> bool:
                                                                    *cfg.tasks[t].overrides)),
                       *(s for a in arms for s in (cfg.arms[a].config, *cfg.arms[a].overrides))])
     created = Path(step.creates)
-    return any(str(p) in named for p in (created, *created.parents) if str(p) not in ("", ".") and len(p.parts) > 1)
+    return any(re.search(re.escape(str(p)) + r"(?=$|[/\s,}\]\"'])", named) for p in (created, created.parent)
+               if len(p.parts) > 1)
 
 
 def run_prepare_step(step: PrepareStep) -> None:

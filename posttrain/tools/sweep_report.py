@@ -5,6 +5,7 @@ the baseline arm's final reward) and a PNG of the curves (mean and standard erro
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,15 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
     return lines, target
 
 
+def curve_grid(cfg: SweepConfig, data: dict) -> np.ndarray:
+    """The training seconds the curves are drawn at: 4 points per probe interval up to the longest run
+    (a run's last iteration may end past the budget), plus every run's final probe, so a curve ends at
+    the final value the table reports."""
+    finals = [r[-1]["train_s"] for runs in data.values() for r in runs]
+    end = max([cfg.budget_s, *finals])
+    return np.union1d(np.linspace(0.0, end, int(math.ceil(end / cfg.eval_every_s)) * 4 + 1), finals)
+
+
 def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path) -> Path:
     """Four panels (held-out reward against training seconds and against samples, the flow-matching-loss
     guard and the guard reward against seconds), mean and standard-error band over seeds per arm."""
@@ -106,10 +116,9 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
     import matplotlib.pyplot as plt
 
     t = cfg.tasks[task]
-    end = max(cfg.budget_s, *(r[-1]["train_s"] for runs in data.values() for r in runs))  # a last iteration may overrun
-    grid = np.union1d(np.linspace(0.0, end, int(math.ceil(end / cfg.eval_every_s)) * 4 + 1),
-                      [r[-1]["train_s"] for runs in data.values() for r in runs])  # each run's final probe exactly
+    grid = curve_grid(cfg, data)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    warnings.filterwarnings("ignore", "Mean of empty slice", RuntimeWarning)  # grid points past every run: NaN
     panels = ((axes[0, 0], "reward", f"held-out {short(t.reward)}"),
               (axes[1, 0], "guard_loss", "guard: held-out flow-matching loss"),
               (axes[1, 1], "guard_reward", f"guard: held-out {short(t.guard_reward)}"))
