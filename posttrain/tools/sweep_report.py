@@ -98,6 +98,13 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
     return lines, target
 
 
+def _nanmean(values: np.ndarray) -> np.ndarray:
+    """Mean over seeds (axis 0) of the finite values; NaN where no seed has one (past every run's end)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(values, 0)
+
+
 def curve_grid(cfg: SweepConfig, data: dict) -> np.ndarray:
     """The training seconds the curves are drawn at: 4 points per probe interval up to the longest run
     (a run's last iteration may end past the budget), plus every run's final probe, so a curve ends at
@@ -118,20 +125,21 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
     t = cfg.tasks[task]
     grid = curve_grid(cfg, data)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    warnings.filterwarnings("ignore", "Mean of empty slice", RuntimeWarning)  # grid points past every run: NaN
     panels = ((axes[0, 0], "reward", f"held-out {short(t.reward)}"),
               (axes[1, 0], "guard_loss", "guard: held-out flow-matching loss"),
               (axes[1, 1], "guard_reward", f"guard: held-out {short(t.guard_reward)}"))
     for arm, runs in data.items():
         for ax, key, _ in panels:
             ys = np.stack([on_grid(r, key, grid) for r in runs])
-            m = np.nanmean(ys, 0)
-            se = np.nanstd(ys, 0, ddof=1) / np.sqrt(len(runs)) if len(runs) > 1 else np.zeros_like(m)
+            m = _nanmean(ys)
+            with warnings.catch_warnings():  # a grid point only one seed reaches has no spread
+                warnings.simplefilter("ignore", RuntimeWarning)
+                se = np.nanstd(ys, 0, ddof=1) / np.sqrt(len(runs)) if len(runs) > 1 else np.zeros_like(m)
             lw = 2.5 if arm == cfg.baseline else 1.5
             ax.plot(grid, m, label=arm, lw=lw)
             ax.fill_between(grid, m - se, m + se, alpha=0.15)
-        samples = np.nanmean(np.stack([on_grid(r, "samples", grid) for r in runs]), 0)
-        reward = np.nanmean(np.stack([on_grid(r, "reward", grid) for r in runs]), 0)
+        samples = _nanmean(np.stack([on_grid(r, "samples", grid) for r in runs]))
+        reward = _nanmean(np.stack([on_grid(r, "reward", grid) for r in runs]))
         axes[0, 1].plot(samples, reward, label=arm, lw=2.5 if arm == cfg.baseline else 1.5)
     for ax in (axes[0, 0], axes[0, 1]):
         if math.isfinite(target):
