@@ -23,8 +23,9 @@ LEAF, OPEN = "leaf", "open"
 
 
 def key_tree(schema: type) -> dict:
-    """``{"class": name, "fields": {field: sub-tree | "leaf" | "open"}}`` of a config dataclass."""
-    return _tree(OmegaConf.structured(schema))
+    """``{"class": name, "fields": {field: sub-tree | "leaf" | "open"}, "moved": {old key: new key}}`` of a
+    config dataclass (``moved``: its ``moved_keys``, named in the unknown-key error as the full load does)."""
+    return {**_tree(OmegaConf.structured(schema)), "moved": dict(getattr(schema, "moved_keys", {}))}
 
 
 def _tree(node) -> dict:
@@ -43,9 +44,12 @@ def _tree(node) -> dict:
 
 def _unknown(tree: dict, parts: list[str]) -> str | None:
     """The message for the first component of ``parts`` that ``tree`` certainly does not have, or None."""
+    moved = tree.get("moved", {})
     for i, part in enumerate(parts):
         if part not in tree["fields"]:
-            return f"key '{'.'.join(parts[:i + 1])}': Key '{part}' not in '{tree['class']}'{_suggest(part, tree)}"
+            key = ".".join(parts[:i + 1])
+            hint = f" (it moved to '{moved[key]}')" if key in moved else ""
+            return f"key '{key}': Key '{part}' not in '{tree['class']}'{_suggest(part, tree)}{hint}"
         sub = tree["fields"][part]
         if not isinstance(sub, dict):
             return None  # a leaf (a type error is the full load's) or an open node

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from posttrain.dpo import stage as dpo_mod
+from posttrain.dpo import step as dpo_mod
 from posttrain.dpo.stage import train as dpo_train
 from posttrain.dpo.data import load_preference_pairs
 from posttrain.eval.evaluate import EvalConfig, evaluate, paired_stats

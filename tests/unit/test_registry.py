@@ -75,5 +75,5 @@ def test_every_registry_of_the_project_is_one():
     assert {"sd3", "flux", "wan", "unet"} <= set(FAMILIES) and {"grpo", "dpo", "pretrain"} <= set(STAGES)
     with pytest.raises(ValueError, match=r"^model\.arch: unknown model family 'nope'; known: \["):
         FAMILIES.get("nope")
-    with pytest.raises(ValueError, match=r"^rollout\.engine: unknown rollout engine 'gpu'; known: \['local', 'ray'\]"):
+    with pytest.raises(ValueError, match=r"^engine\.name: unknown rollout engine 'gpu'; known: \['local', 'ray'\]"):
         ENGINES.get("gpu")
