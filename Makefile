@@ -29,7 +29,7 @@ quickstart: system venv
 	$(VENV)/bin/posttrain pipeline configs/quickstart.yaml
 
 test: system venv
-	WANDB_MODE=offline $(PY) -m pytest -q tests
+	WANDB_MODE=offline POSTTRAIN_REQUIRE_EXTRAS=1 $(PY) -m pytest -q --durations=10 tests
 
 clean-runs:
 	rm -rf runs

@@ -10,6 +10,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def require_extra(module: str, extra: str):
+    """Import ``module`` of the optional extra ``extra`` (pyproject's ``[project.optional-dependencies]``).
+    Under ``make test`` (``POSTTRAIN_REQUIRE_EXTRAS=1``, every extra installed) a missing one fails the
+    test file, naming the extra; elsewhere (a user who installed a subset) the file is skipped, and
+    pytest's summary (``-ra``) says which extra was missing."""
+    try:
+        return __import__(module)
+    except ImportError as e:
+        message = f"the '{extra}' extra is not installed ({module}: {e}); pip install -e '.[{extra}]'"
+        if os.environ.get("POSTTRAIN_REQUIRE_EXTRAS") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message, allow_module_level=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
     """One rendered-emoji / caption-embedding cache per test session."""

@@ -12,9 +12,9 @@ from posttrain.dpo.stage import train as dpo_train
 from posttrain.grpo.stage import train as grpo_train
 from pretrain.runtime.metrics import read_metrics
 from pretrain.trainer import train
-from tests.conftest import dpo_config, grpo_config, tiny_config
+from tests.conftest import dpo_config, grpo_config, require_extra, tiny_config
 
-pytest.importorskip("torchao")
+require_extra("torchao", "lowp")
 FP8 = ["train.low_precision.recipe=fp8_rowwise", "train.low_precision.emulate=true"]
 
 

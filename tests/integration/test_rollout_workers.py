@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+from tests.conftest import require_extra  # noqa: E402
+
+ray = require_extra("ray", "ray")
 
 from posttrain.grpo.engines.weight_sync import WeightPacket, WeightSyncError  # noqa: E402
 from posttrain.grpo.stage import GRPORun  # noqa: E402

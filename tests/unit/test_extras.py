@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = ["wandb", "pytesseract", "open_clip", "imageio", "datasets"]
 
@@ -37,3 +39,16 @@ def test_core_imports_without_optional_packages_and_names_the_extra():
         "wandb.mode: offline needs the package wandb, which is not installed: pip install 'posttrain[wandb]'",
         "wandb.mode: 'offline' needs the package wandb, which is not installed: pip install 'posttrain[wandb]'",
     ]
+
+
+def test_a_missing_extra_fails_under_make_test_and_skips_elsewhere(monkeypatch):
+    """``make test`` installs every extra, so a missing one is a failure naming it, not a silent skip."""
+    from tests.conftest import require_extra
+
+    monkeypatch.setenv("POSTTRAIN_REQUIRE_EXTRAS", "1")
+    with pytest.raises(pytest.fail.Exception, match=r"the 'nope' extra is not installed .*pip install -e '\.\[nope\]'"):
+        require_extra("no_such_module_xyz", "nope")
+    monkeypatch.delenv("POSTTRAIN_REQUIRE_EXTRAS")
+    with pytest.raises(pytest.skip.Exception, match="the 'nope' extra is not installed"):
+        require_extra("no_such_module_xyz", "nope")
+    assert require_extra("json", "core").dumps([1]) == "[1]"

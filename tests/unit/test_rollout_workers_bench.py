@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-pytest.importorskip("ray")
+from tests.conftest import require_extra  # noqa: E402
+
+require_extra("ray", "ray")
 ROOT = Path(__file__).resolve().parents[2]
 
 
