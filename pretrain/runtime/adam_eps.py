@@ -1,5 +1,5 @@
-"""How much of Adam's update eps decides: the share of trainable elements whose denominator
-sqrt(v_hat) + eps is dominated by eps (sqrt(v_hat) < eps).
+"""How much of Adam's update eps decides: the share of trainable elements (of those that have had a
+non-zero gradient) whose denominator sqrt(v_hat) + eps is dominated by eps (sqrt(v_hat) < eps).
 
 AdamW's step is lr * m_hat / (sqrt(v_hat) + eps) (Kingma & Ba 2015, Algorithm 1). Where the gradients'
 RMS sqrt(v_hat) is far below eps, the step shrinks to lr * m_hat / eps: an element whose gradients are
@@ -22,9 +22,11 @@ WARN_FRAC = 0.5
 
 
 def eps_dominated_frac(optimizer: torch.optim.Optimizer) -> float:
-    """The share in [0, 1] of the elements with Adam state whose sqrt(v_hat) < eps, with v_hat =
-    ``exp_avg_sq`` / (1 - beta2^step) (the bias-corrected second moment) and each group's ``eps``;
-    NaN before the first step (no state). Works on this rank's shard of a DTensor; under a process
+    """The share in [0, 1] of the elements with Adam state that have had a gradient (v_hat > 0) whose
+    sqrt(v_hat) < eps, with v_hat = ``exp_avg_sq`` / (1 - beta2^step) (the bias-corrected second moment)
+    and each group's ``eps``. Elements whose gradient has always been exactly 0 (e.g. LoRA's A while B
+    is still 0, or frozen-by-graph weights) are left out: eps decides nothing there. NaN before the
+    first step (no state) or when no element has had a gradient. Works on this rank's shard of a DTensor; under a process
     group the counts are summed over all ranks (one all-reduce of two float64; collective: every rank
     calls it at the same step). One comparison and sum per parameter: cheap next to the step itself."""
     counts = None
@@ -38,8 +40,8 @@ def eps_dominated_frac(optimizer: torch.optim.Optimizer) -> float:
             v = getattr(v, "_local_tensor", v)
             bias = 1.0 - beta2 ** float(state["step"])
             # sqrt(v / bias) < eps  <=>  v < eps^2 * bias (no sqrt, no copy of v)
-            row = torch.stack([(v < eps * eps * bias).sum().double(), torch.tensor(float(v.numel()),
-                                                                                 dtype=torch.float64, device=v.device)])
+            seen = v > 0
+            row = torch.stack([(seen & (v < eps * eps * bias)).sum().double(), seen.sum().double()])
             counts = row if counts is None else counts + row.to(counts.device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         if counts is None:

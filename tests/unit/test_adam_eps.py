@@ -36,6 +36,8 @@ def test_the_share_of_eps_dominated_elements_is_logged(tmp_path):
     m, moves = _run(tmp_path / "b", eps=1e-15, grad=1e-10)
     assert [x["adam_eps_dominated_frac"] for x in m] == [0.0, 0.0, 0.0]
     torch.testing.assert_close(moves[0], torch.full((100,), 1e-3), rtol=1e-3, atol=0)
+    m, _ = _run(tmp_path / "c", eps=1e-8, grad=0.0)  # 70 weights never get a gradient: eps decides nothing
+    assert [x["adam_eps_dominated_frac"] for x in m] == [0.0, 0.0, 0.0]
 
 
 def test_logged_every_n_steps_and_step_one_and_warned_once(tmp_path, caplog):
