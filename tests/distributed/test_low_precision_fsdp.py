@@ -15,7 +15,9 @@ from pretrain.runtime.low_precision import LowPrecisionConfig, convert
 from pretrain.runtime.runtime import Runtime
 from tests.distributed.common import flow_loss, full_params, tiny_batch, tiny_model
 
-pytest.importorskip("torchao")
+from tests.conftest import require_extra  # noqa: E402
+
+require_extra("torchao", "lowp")
 MICRO, STEPS = 4, 2
 
 

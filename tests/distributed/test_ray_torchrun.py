@@ -4,12 +4,11 @@ every rank trains its share, and the first iteration's rewards are those of a on
 
 import json
 
-import pytest
+from tests.conftest import grpo_config, require_extra
 
-pytest.importorskip("ray")
+require_extra("ray", "ray")
 
 from posttrain.grpo.stage import train as grpo_train  # noqa: E402
-from tests.conftest import grpo_config  # noqa: E402
 from tests.distributed.test_grpo_torchrun import _launch  # noqa: E402
 
 

@@ -9,10 +9,10 @@ import torch
 
 from pretrain.config import ConfigError, load_config
 from pretrain.runtime.low_precision import DIT_KEEP, LowPrecisionConfig, convert, plan
-from tests.conftest import ROOT
+from tests.conftest import ROOT, require_extra
 from tests.distributed.common import flow_loss, tiny_batch, tiny_model
 
-pytest.importorskip("torchao")
+require_extra("torchao", "lowp")
 
 
 def _snr_db(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -1,9 +1,9 @@
 """The GPU benchmark of low-precision steps runs its code path on CPU at tiny size (emulated): every row
 trains (finite, falling losses), counts its converted layers and reports FLOPs that match the formula."""
 
-import pytest
+from tests.conftest import require_extra
 
-pytest.importorskip("torchao")
+require_extra("torchao", "lowp")
 
 
 def test_the_low_precision_benchmark_runs_at_tiny_size(tmp_path):
