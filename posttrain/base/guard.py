@@ -201,7 +201,8 @@ class Guard:
             self.diversity.append(diversity)
 
     def check(self, model: torch.nn.Module, step: int) -> tuple[dict, Path]:
-        """Probe ``model`` at ``step`` (0 = the baseline). Returns (metrics ``guard/<name>``,
+        """Probe ``model`` at ``step`` (0 = the baseline). Returns (metrics ``guard/<name>`` (and
+        ``guard/<name>/<category>``, :meth:`per_category`),
         ``guard/trained``, ``guard/diversity``, ``guard/failing``, ``guard/streak``, ``guard/best_step``,
         ``guard/seconds`` (the check's wall time); the grid of the probe's samples). Sets ``stopped`` (a
         one-line reason) when the run must stop."""
@@ -230,10 +231,22 @@ class Guard:
                             + "; ".join(reasons) + f"; best check: step {self.best['step']}")
         grid = save_grid(images[:len(prompts)], prompts, self.stage.run / "samples" / f"guard_step_{step:05d}.png")
         metrics = {f"guard/{k}": v for k, v in values.items()}
+        metrics.update(self.per_category(scores, prompts))
         metrics.update({"guard/trained": trained, "guard/diversity": diversity, "guard/failing": len(reasons),
                         "guard/streak": self.streak, "guard/best_step": self.best["step"],
                         "guard/seconds": time.perf_counter() - t0})
         return metrics, grid
+
+    def per_category(self, scores: dict, prompts: list[str]) -> dict[str, float]:
+        """``guard/<name>/<category>``: the mean over that category's prompts, for each guard reward
+        with a ``categories(prompts)`` method (e.g. ``shapes_strict``: GenEval's per-category accuracy)."""
+        out = {}
+        for name, fn in self.fns.items():
+            if callable(getattr(fn, "categories", None)):
+                cats = fn.categories(prompts)
+                for cat in dict.fromkeys(cats):
+                    out[f"guard/{name}/{cat}"] = prompt_mean([v for v, c in zip(scores[name], cats) if c == cat])
+        return out
 
     def failures(self, values: dict, trained: float, diversity: float) -> list[str]:
         """The failing conditions of one check against the baseline, as phrases naming the guard and the

@@ -36,7 +36,9 @@ class EvalConfig:
     """``prompts``: "heldout", "train" or a text file (one prompt per line); ``num_prompts`` of them
     (evenly spaced); ``samples_per_prompt`` seeds each; ODE ``num_inference_steps`` and
     ``guidance_scale``; ``guard_samples`` held-out images for the flow-matching-loss guard (0 = off).
-    ``rewards``: entries ``NAME`` or ``NAME@PATH`` (see ``parse_eval_reward``)."""
+    ``rewards``: entries ``NAME`` or ``NAME@PATH`` (see ``parse_eval_reward``); a reward with a
+    ``categories(prompts)`` method (e.g. ``shapes_strict``) also gets one row per category. ``mark``: one
+    of ``rewards`` whose value >= 0.5 frames a grid cell green (pass), else red (fail); None: no frames."""
 
     rewards: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
     prompts: str = "heldout"
@@ -48,8 +50,11 @@ class EvalConfig:
     guard_samples: int = 256
     grid_prompts: int = 32
     batch_size: int = 64
+    mark: str | None = None
 
     def validate(self, prefix: str = "") -> None:
+        if self.mark is not None and self.mark not in self.rewards:
+            raise ValueError(f"{prefix}mark: '{self.mark}' is not one of {prefix}rewards {self.rewards}")
         for entry in self.rewards:
             name, params = parse_eval_reward(entry, f"{prefix}rewards")
             check_reward_weights({name: {"weight": 1.0, **params}}, f"{prefix}rewards")
@@ -66,11 +71,20 @@ def parse_eval_reward(entry: str, key: str = "rewards") -> tuple[str, dict]:
     return name, ({"path": path} if sep else {})
 
 
-def paired_stats(base: torch.Tensor, other: torch.Tensor) -> tuple[float, float, int]:
+def paired_stats(base: torch.Tensor, other: torch.Tensor, clusters: list[str] | None = None
+                 ) -> tuple[float, float, int]:
     """``base``/``other``: float ``[P, K]`` (prompt x sample). Returns (mean paired difference, its
-    standard error clustered by prompt, prompts used); prompts with any NaN are dropped."""
+    standard error clustered by prompt, clusters used); rows with any NaN are dropped. ``clusters``: a
+    key per row (e.g. its prompt text): rows sharing a key are averaged into one cluster first, so a
+    prompt listed twice counts once in the SE."""
     diff = (other.float() - base.float()).mean(1)
-    diff = diff[torch.isfinite(diff)]
+    keep = torch.isfinite(diff)
+    diff = diff[keep]
+    if clusters is not None:
+        keys = [c for c, k in zip(clusters, keep.tolist()) if k]
+        ids = {c: i for i, c in enumerate(dict.fromkeys(keys))}
+        idx = torch.tensor([ids[c] for c in keys], dtype=torch.long)
+        diff = torch.zeros(len(ids)).index_add_(0, idx, diff) / torch.bincount(idx, minlength=len(ids)).float()
     p = diff.numel()
     if p == 0:
         return float("nan"), float("nan"), 0
@@ -148,8 +162,11 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
             results["rewards"][name].append(fn(images, prompts * k, None).float().view(k, p).T)
         bar.update()
         grid_n = min(cfg.grid_prompts, p)
+        marks = None
+        if cfg.mark:
+            marks = (results["rewards"][cfg.mark][-1].T.reshape(-1)[:grid_n] >= 0.5).tolist()
         results["grids"].append(str(save_grid(images[:grid_n], prompts[:grid_n], out_dir / f"grid_model{m_i}.png",
-                                              cols=GRID_COLS)))
+                                              cols=GRID_COLS, marks=marks)))
         guard = float("nan")
         if cfg.guard_samples:
             bar.set_postfix_str(f"model {m_i}: guard loss")
@@ -160,6 +177,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         results["guard"].append(guard)
     bar.close()
     results["prompts"] = prompts
+    results["categories"] = {entry: fn.categories(prompts) for entry, fn in reward_fns.items()
+                             if callable(getattr(fn, "categories", None))}
     results["settings"] = {"sampler": "ODE", "num_inference_steps": cfg.num_inference_steps,
                            "guidance_scale": cfg.guidance_scale, "seed": cfg.seed,
                            "samples_per_prompt": cfg.samples_per_prompt, "prompts": cfg.prompts}
@@ -183,18 +202,29 @@ def z_text(diff: float, se: float) -> str:
     return f"{diff / se:+.1f}"
 
 
+def _row(label: str, per_model: list[torch.Tensor], prompts: list[str] | None) -> str:
+    row = f"| {label} | " + " | ".join(f"{float(r.nanmean()):.4f}" for r in per_model)
+    for other in per_model[1:]:
+        d, se, _ = paired_stats(per_model[0], other, prompts)
+        row += f" | {d:+.4f} ({se:.4f}) | {z_text(d, se)}"
+    return row + " |"
+
+
 def report_table(results: dict) -> str:
-    """Markdown table: per reward, each model's mean and (vs model 0) paired diff +/- SE and z."""
+    """Markdown table: per reward, each model's mean and (vs model 0) paired diff +/- SE (clustered by
+    prompt text) and z; a reward with categories (``results["categories"]``) adds a row per category."""
     models = results["models"]
     head = "| metric | " + " | ".join(f"model {i}" for i in range(len(models)))
     head += "".join(f" | model {i} - model 0 (SE) | z" for i in range(1, len(models))) + " |"
     lines = [head, "|" + "---|" * (1 + len(models) + 2 * (len(models) - 1))]
+    prompts = results.get("prompts")
     for name, per_model in results["rewards"].items():
-        row = f"| {name} (mean) | " + " | ".join(f"{float(r.nanmean()):.4f}" for r in per_model)
-        for other in per_model[1:]:
-            d, se, _ = paired_stats(per_model[0], other)
-            row += f" | {d:+.4f} ({se:.4f}) | {z_text(d, se)}"
-        lines.append(row + " |")
+        lines.append(_row(f"{name} (mean)", per_model, prompts))
+        cats = results.get("categories", {}).get(name)
+        for cat in dict.fromkeys(cats or []):
+            rows = [i for i, c in enumerate(cats) if c == cat]
+            lines.append(_row(f"{name}: {cat} ({len(set(prompts[i] for i in rows))} prompts)",
+                              [r[rows] for r in per_model], [prompts[i] for i in rows]))
     guard = results["guard"]
     row = "| guard: held-out flow-matching loss | " + " | ".join(f"{g:.4f}" for g in guard)
     row += "".join(f" | {g - guard[0]:+.4f} | " for g in guard[1:])

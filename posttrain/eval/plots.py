@@ -62,7 +62,8 @@ def panels(series: Series) -> list[tuple[str, list[str]]]:
     each reward (``reward/<name>_mean``, band from ``reward/<name>_std``; ``reward_mean``, the weighted
     total, unless it repeats a single named reward; ``online_reward_mean`` of online DPO), ``loss`` with
     ``heldout_loss``, DPO's implicit accuracy, ``kl``, ``approx_kl``, ``clip_frac``, the ratio range
-    (``ratio_min``/``ratio_mean``/``ratio_max``), ``samples_per_s``, and each ``guard/...`` key."""
+    (``ratio_min``/``ratio_mean``/``ratio_max``), ``samples_per_s``, and each ``guard/<name>`` key, followed by
+    one panel of its ``guard/<name>/<category>`` lines when the guard reward has categories."""
     named = sorted(k for k in series if re.fullmatch(r"reward/.+_mean", k))
     out = [(k.removesuffix("_mean"), [k]) for k in named]
     if "reward_mean" in series:
@@ -76,7 +77,11 @@ def panels(series: Series) -> list[tuple[str, list[str]]]:
               ("KL to the rollout policy (approx_kl)", ["approx_kl"]), ("clip fraction", ["clip_frac"]),
               ("ratio range", ["ratio_min", "ratio_mean", "ratio_max"]), ("samples / s", ["samples_per_s"]))
     out += [(title, [k for k in keys if k in series]) for title, keys in groups if any(k in series for k in keys)]
-    out += [(k, [k]) for k in sorted(series) if k.startswith("guard/")]
+    per_category = {k.rsplit("/", 1)[0] for k in series if k.count("/") == 2 and k.startswith("guard/")}
+    for k in sorted(k for k in series if k.startswith("guard/") and k.count("/") == 1):
+        out.append((k, [k]))
+        if k in per_category:  # guard/<reward>/<category>: one panel of every category's line
+            out.append((f"{k} per category", sorted(c for c in series if c.startswith(k + "/"))))
     return out
 
 

