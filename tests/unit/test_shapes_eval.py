@@ -1,0 +1,156 @@
+"""The shapes task's evaluation: clustered paired SE, per-category table rows, pass/fail grid frames,
+per-category guard curves and panels, and the shapes data source."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from posttrain.base.guard import Guard
+from posttrain.eval.evaluate import paired_stats, report_table
+from posttrain.eval.plots import panels
+from pretrain.data import dataset as ds
+from pretrain.data import shapes
+from pretrain.grid import FAIL_RGB, PASS_RGB, grid_image
+from pretrain.text_encoder import NoTextEmbeds, PromptEmbeds
+from rewards.base import build_reward
+from rewards.shapes import ShapesReward
+
+NAN = float("nan")
+
+
+def test_paired_stats_clusters_average_shared_prompts_before_the_se():
+    base = torch.zeros(4, 2)
+    other = torch.tensor([[0.0, 2.0], [3.0, 3.0], [1.0, 3.0], [6.0, 6.0]])  # row diffs 1, 3, 2, 6
+    # clusters a = (1 + 3) / 2 = 2, b = 2, c = 6: mean 10/3, sd 4/sqrt(3), SE = sd / sqrt(3) = 4/3
+    d, se, n = paired_stats(base, other, ["a", "a", "b", "c"])
+    assert (d, se, n) == pytest.approx((10 / 3, 4 / 3, 3))
+    # without clusters: the per-row formula, mean 3, SE = sqrt(14/3) / sqrt(4), 4 rows
+    d, se, n = paired_stats(base, other)
+    assert (d, se, n) == pytest.approx((3.0, math.sqrt(14 / 3) / 2, 4))
+    assert paired_stats(base, other, ["a", "b", "c", "d"]) == pytest.approx(paired_stats(base, other))
+    # NaN rows are dropped before clustering: one more "a" row and a lone "e" row change nothing
+    base_n, other_n = torch.cat([base, torch.zeros(2, 2)]), torch.cat([other, torch.tensor([[NAN, 9.0], [1.0, NAN]])])
+    d, se, n = paired_stats(base_n, other_n, ["a", "a", "b", "c", "a", "e"])
+    assert (d, se, n) == pytest.approx((10 / 3, 4 / 3, 3))
+
+
+def _cells(table: str, label: str) -> list[str]:
+    rows = [line for line in table.splitlines() if line.startswith(f"| {label} |")]
+    assert len(rows) == 1, (label, table)
+    return [c.strip() for c in rows[0].strip("|").split("|")][1:]
+
+
+def test_report_table_adds_one_row_per_category():
+    t0 = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    t1 = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    results = {"models": ["m0", "m1"], "rewards": {"shapes_strict": [t0, t1], "jpeg": [t0, t0]},
+               "guard": [0.1, 0.2], "grids": ["g0", "g1"], "prompts": ["p", "p", "q", "r"],
+               "categories": {"shapes_strict": ["counting", "counting", "colors", "counting"]}}
+    table = report_table(results)
+    cat_rows = [line for line in table.splitlines() if line.startswith("| shapes_strict: ")]
+    assert [r.split("|")[1].strip() for r in cat_rows] == ["shapes_strict: counting (2 prompts)",
+                                                          "shapes_strict: colors (1 prompts)"]
+    assert not any(line.startswith("| jpeg: ") for line in table.splitlines())
+    # counting: rows 0, 1, 3; means 3/6 and 5/6; diffs 0.5, 0.5, 0 -> clusters p 0.5, r 0: 0.25 +- 0.25
+    assert _cells(table, "shapes_strict: counting (2 prompts)") == ["0.5000", "0.8333", "+0.2500 (0.2500)", "+1.0"]
+    assert _cells(table, "shapes_strict: colors (1 prompts)") == ["1.0000", "0.0000", "-1.0000 (nan)", "n/a"]
+    # the overall row clusters by prompt too: p 0.5, q -1, r 0 -> mean -1/6, SE sqrt(7) / 6
+    assert _cells(table, "shapes_strict (mean)") == ["0.6250", "0.6250", f"{-1 / 6:+.4f} ({math.sqrt(7) / 6:.4f})",
+                                                     f"{(-1 / 6) / (math.sqrt(7) / 6):+.1f}"]
+
+
+def test_grid_image_marks_frame_cells_inside():
+    colours = torch.tensor([[0.2, 0.4, 0.6], [0.9, 0.1, 0.5], [0.3, 0.7, 0.1]])
+    images = colours[:, :, None, None].expand(3, 3, 4, 4).contiguous()
+    caps = ["a", "b", "c"]
+    plain = np.asarray(grid_image(images, caps, cols=3, scale=3))
+    marked = np.asarray(grid_image(images, caps, cols=3, scale=3, marks=[True, False, None]))
+    own = [tuple(int(v) for v in (c * 255).round()) for c in colours]
+    cw = 12  # 4 px x scale 3
+    assert tuple(marked[0, 0]) == PASS_RGB and tuple(marked[cw - 1, cw - 1]) == PASS_RGB  # inside cell 0
+    assert tuple(marked[0, cw]) == FAIL_RGB and tuple(marked[cw - 1, 2 * cw - 1]) == FAIL_RGB
+    assert tuple(marked[0, 2 * cw]) == own[2] == tuple(plain[0, 2 * cw])
+    assert tuple(marked[cw // 2, cw // 2]) == own[0]  # the cell's middle is the image
+    assert np.array_equal(np.asarray(grid_image(images, caps, cols=3, scale=3, marks=None)), plain)
+    assert np.array_equal(np.asarray(grid_image(images, caps, cols=3, scale=3, marks=[None] * 3)), plain)
+    assert not np.array_equal(marked, plain)
+
+
+def test_guard_per_category_means_of_registered_shapes_strict():
+    by_cat = {}
+    for s in shapes.all_specs():
+        by_cat.setdefault(s.category, []).append(s.caption)
+    prompts = [by_cat["counting"][0], by_cat["colors"][0], by_cat["counting"][5], by_cat["position"][0],
+               by_cat["counting"][9]]
+    guard = Guard.__new__(Guard)
+    guard.fns = {"shapes_strict": build_reward("shapes_strict"), "plain": lambda images, prompts, metadata=None: 0}
+    out = guard.per_category({"shapes_strict": [1.0, 0.0, 0.0, NAN, 1.0], "plain": [0.0] * 5}, prompts)
+    assert set(out) == {"guard/shapes_strict/counting", "guard/shapes_strict/colors", "guard/shapes_strict/position"}
+    assert out["guard/shapes_strict/counting"] == pytest.approx(2 / 3)
+    assert out["guard/shapes_strict/colors"] == 0.0
+    assert math.isnan(out["guard/shapes_strict/position"])
+
+
+def test_panels_put_the_per_category_panel_after_its_guard():
+    xy = (np.arange(3.0), np.zeros(3))
+    series = {k: xy for k in ("guard/shapes_strict", "guard/shapes_strict/counting", "guard/shapes_strict/colors",
+                              "guard/trained", "loss")}
+    out = panels(series)
+    i = out.index(("guard/shapes_strict", ["guard/shapes_strict"]))
+    assert out[i + 1] == ("guard/shapes_strict per category",
+                          ["guard/shapes_strict/colors", "guard/shapes_strict/counting"])
+    assert ("guard/trained", ["guard/trained"]) in out
+    titles = [t for t, _ in out]
+    assert "guard/trained per category" not in titles
+    assert not any(t.startswith("guard/shapes_strict/") for t in titles)
+
+
+class _LengthEncoder:
+    cache_key = "fake-length-1"
+
+    def encode(self, prompts) -> PromptEmbeds:
+        n = torch.tensor([float(len(p)) for p in prompts])
+        o = torch.tensor([float(sum(map(ord, p)) % 997) for p in prompts])
+        return PromptEmbeds(torch.stack([n, o], 1)[:, None, :], torch.stack([o, n, -n], 1))
+
+
+def test_shapes_source_through_build_datasets(tmp_path, monkeypatch):
+    cfg = ds.DataConfig(source="shapes", scenes=64, heldout_per_category=4, heldout_fraction=0.25,
+                        cache_dir=str(tmp_path))
+    train, held = ds.build_datasets(cfg, NoTextEmbeds())
+    assert len(train) == 64 and len(held) == 24
+    assert train.images.shape == (64, 3, 32, 32) and train.images.dtype == torch.uint8
+    assert ShapesReward.categories(held.captions[:6]) == list(shapes.CATEGORIES)
+    novel = [c for c, k in zip(held.captions, ShapesReward.categories(held.captions))
+             if k in shapes.NOVEL_CATEGORIES]
+    assert len(novel) == 12 and not set(novel) & set(train.captions)
+    images, embeds, caps = train.batch([0, 5, 63])
+    assert images.dtype == torch.float32 and 0 <= float(images.min()) and float(images.max()) <= 1
+    assert torch.equal(images, train.images[[0, 5, 63]].float() / 255) and float(images.min()) < 1
+    assert caps == [train.captions[i] for i in (0, 5, 63)] and embeds.tokens.shape == (3, 1, 1)
+
+    def boom(*a, **k):
+        raise AssertionError("re-rendered instead of reading the cache")
+
+    monkeypatch.setattr(shapes, "render_spec", boom)
+    train2, held2 = ds.build_datasets(cfg, _LengthEncoder())
+    assert torch.equal(train2.images, train.images) and torch.equal(held2.images, held.images)
+    assert train2.captions == train.captions and held2.captions == held.captions
+
+    enc = _LengthEncoder()
+    for s in (train2, held2):
+        assert isinstance(s.embeds, ds.IndexedEmbeds) and len(s.embeds) == len(s)
+        assert s.embeds.unique.tokens.shape[0] == len(set(s.captions)) < len(s)
+        idx = list(range(len(s)))
+        got, want = s.embeds[idx], enc.encode(s.captions)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.pooled, want.pooled)
+        got = s.embeds[torch.tensor([3, 1])]
+        assert torch.equal(got.pooled, enc.encode([s.captions[3], s.captions[1]]).pooled)
+
+
+def test_shapes_config_validation_names_scenes():
+    with pytest.raises(ValueError, match=r"data\.scenes"):
+        ds.DataConfig(source="shapes", scenes=0).validate("data.")
+    ds.DataConfig(source="shapes", scenes=1).validate("data.")
