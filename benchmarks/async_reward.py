@@ -3,7 +3,7 @@
 ``--latency`` seconds per rollout batch (the network and the remote model's time; it occupies no
 local core, as a reward served from another machine).
 
-    python benchmarks/async_reward.py --export runs/quickstart/pretrain/export [--latency 2] [--iterations 3]
+    python benchmarks/async_reward.py --export runs/emoji_jpeg_hack/pretrain/export [--latency 2] [--iterations 3]
 """
 
 from __future__ import annotations

@@ -1,22 +1,20 @@
 """The exact judge of the shapes task (:mod:`pretrain.data.shapes`): GenEval's metric on coloured shapes.
 
-Detection is geometry, not a learned model: each pixel takes the nearest palette colour (or the white
-background) within ``max_distance`` in RGB, else none; connected components of each colour (4-connected,
-``scipy.ndimage.label``) of at least ``min_area`` pixels are objects; an object's shape is the template
-(disc, square, upward triangle, stretched to the component's bounding box) with the highest IoU, if at
-least ``min_iou``; its position is its centroid. The prompt's requirements come from its
+Detection is geometry, not a learned model: each pixel is read as a mix of white and one palette colour
+(:meth:`ShapesJudge.pixel_labels`); connected components of each colour (4-connected,
+``scipy.ndimage.label``) of at least ``min_area`` pixels are objects; an object's shape comes from its
+mask's geometry (a triangle has little of its area in its box's top half, a square fills its box, a disc
+about pi / 4 of it); its position is its centroid. The prompt's requirements come from its
 :class:`~pretrain.data.shapes.SceneSpec` (a table lookup of the caption), so a caption and its check cannot
 disagree.
 
 Per image the judge gives GenEval's strict correctness (every requirement met: GenEval, Ghosh et al. 2023,
 arXiv 2310.11513, sec. 3.2) and a partial score for training, the mean over the prompt's requirement
-items (Flow-GRPO's GenEval reward gives partial credit the same way, Liu et al. 2025, arXiv 2505.05470,
-sec. 5.1): per object, the shape present (fraction of the asked count found in any colour), the colour
+items (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470, also trains on a partial GenEval score): per object, the shape present (fraction of the asked count found in any colour), the colour
 bound (fraction found in the asked colour) and, for counting, the exact count (``1 - |found - asked| /
 asked``, floored at 0); for position, the relation holding for some matching pair. A degenerate image (less
-than ``min_background`` of it background, or more than ``max_unknown`` of it no palette colour: blank-free
-noise, one colour) scores 0, as does a caption outside the grammar's table (``KeyError`` when ``strict``
-is asked for by :func:`judge`); never NaN.
+than ``min_background`` of it background, or more than ``max_unknown`` of it no palette colour: noise, one colour, NaN) scores 0, never NaN; a caption outside the grammar's table raises ``KeyError``
+naming it.
 """
 
 from __future__ import annotations
@@ -65,13 +63,16 @@ _INK = np.float32(grammar.BACKGROUND) - np.array(list(grammar.COLOURS.values()),
 class ShapesJudge:
     """Reads images of the shapes task. Thresholds are in RGB units (0-255) and pixels of a ``size`` px
     image scaled from 32 px: ``max_distance`` of a pixel from its white-colour mix (see
-    :meth:`pixel_labels`), ``min_area`` of an object (at 32 px),
-    ``min_iou`` of its best template, ``min_background`` / ``max_unknown`` fractions of the image."""
+    :meth:`pixel_labels`), ``min_area`` of an object (at 32 px; rendered objects have 50-144 px), its
+    bounding box at most ``max_side`` of the image side (rendered: at most 0.375), the shape rules'
+    ``max_top_share``, ``min_square_fill``, ``min_disc_fill`` and ``max_aspect`` (:meth:`_shape`), and the
+    ``min_background`` / ``max_unknown`` fractions of the image below which it is degenerate."""
 
-    def __init__(self, max_distance: float = 60.0, min_area: int = 8, max_top_share: float = 0.4,
+    def __init__(self, max_distance: float = 60.0, min_area: int = 24, max_side: float = 0.5, max_top_share: float = 0.4,
                  min_square_fill: float = 0.92, min_disc_fill: float = 0.6, max_aspect: float = 1.6,
                  min_background: float = 0.3, max_unknown: float = 0.3):
         self.max_distance, self.min_area, self.max_aspect = max_distance, min_area, max_aspect
+        self.max_side = max_side
         self.max_top_share, self.min_square_fill, self.min_disc_fill = max_top_share, min_square_fill, min_disc_fill
         self.min_background, self.max_unknown = min_background, max_unknown
 
@@ -95,6 +96,8 @@ class ShapesJudge:
                     continue
                 ys, xs = np.nonzero(mask)
                 shape, fill, top = self._shape(mask)
+                if max(mask.shape) > self.max_side * max(h, w):
+                    shape = None  # a blob larger than any rendered object
                 found.append(Detected(shape, colour, float(ys.mean() + sl[0].start + 0.5),
                                       float(xs.mean() + sl[1].start + 0.5), area, fill, top))
         return found

@@ -2,11 +2,11 @@
 # The GRPO family on the quickstart's pretrain export: Flow-GRPO-Fast, MixGRPO and DanceGRPO (configs/grpo/
 # emoji_{fast,mixgrpo,dance}.yaml), then one paired held-out evaluation (same ODE seeds for every model,
 # standard errors clustered by prompt) of the starting export and the three post-trained ones.
-# Needs runs/quickstart/pretrain/export (`make quickstart`). Usage: bash scripts/grpo_variants.sh [VARIANT ...]
+# Needs runs/emoji_jpeg_hack/pretrain/export (`make quickstart`). Usage: bash scripts/grpo_variants.sh [VARIANT ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PT=${PT:-.venv/bin/posttrain}
-BASE=runs/quickstart/pretrain/export
+BASE=runs/emoji_jpeg_hack/pretrain/export
 test -f "$BASE/posttrain.json" || { echo "missing $BASE: run \`make quickstart\` first" >&2; exit 1; }
 variants=("${@:-fast mixgrpo dance}")
 read -r -a variants <<< "${variants[*]}"

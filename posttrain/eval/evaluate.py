@@ -73,23 +73,27 @@ def parse_eval_reward(entry: str, key: str = "rewards") -> tuple[str, dict]:
 
 def paired_stats(base: torch.Tensor, other: torch.Tensor, clusters: list[str] | None = None
                  ) -> tuple[float, float, int]:
-    """``base``/``other``: float ``[P, K]`` (prompt x sample). Returns (mean paired difference, its
-    standard error clustered by prompt, clusters used); rows with any NaN are dropped. ``clusters``: a
-    key per row (e.g. its prompt text): rows sharing a key are averaged into one cluster first, so a
-    prompt listed twice counts once in the SE."""
-    diff = (other.float() - base.float()).mean(1)
+    """``base``/``other``: float ``[P, K]`` (prompt x sample). Returns (mean paired difference over the
+    rows, its standard error clustered by prompt, clusters used); rows with any NaN are dropped.
+    ``clusters``: a key per row (e.g. its prompt text); rows sharing a key form one cluster, and the SE
+    is the cluster-robust one, ``sqrt(G / (G - 1) * sum_g (S_g - n_g * mean)^2) / N`` over the G clusters
+    of ``n_g`` rows summing to ``S_g`` (Cameron & Miller 2015, eq. 11 with the G / (G - 1) factor); with
+    one row per cluster (the default) it is ``sd / sqrt(N)``."""
+    diff = (other.float() - base.float()).mean(1).double()
     keep = torch.isfinite(diff)
     diff = diff[keep]
-    if clusters is not None:
-        keys = [c for c, k in zip(clusters, keep.tolist()) if k]
-        ids = {c: i for i, c in enumerate(dict.fromkeys(keys))}
-        idx = torch.tensor([ids[c] for c in keys], dtype=torch.long)
-        diff = torch.zeros(len(ids)).index_add_(0, idx, diff) / torch.bincount(idx, minlength=len(ids)).float()
-    p = diff.numel()
-    if p == 0:
+    n = diff.numel()
+    if n == 0:
         return float("nan"), float("nan"), 0
-    se = float(diff.std(unbiased=True)) / math.sqrt(p) if p > 1 else float("nan")
-    return float(diff.mean()), se, p
+    keys = [c for c, k in zip(clusters, keep.tolist()) if k] if clusters is not None else list(range(n))
+    ids = {c: i for i, c in enumerate(dict.fromkeys(keys))}
+    g = len(ids)
+    mean = diff.mean()
+    if g < 2:
+        return float(mean), float("nan"), g
+    idx = torch.tensor([ids[c] for c in keys], dtype=torch.long)
+    resid = torch.zeros(g, dtype=torch.float64).index_add_(0, idx, diff - mean)
+    return float(mean), float(torch.sqrt(g / (g - 1) * (resid ** 2).sum()) / n), g
 
 
 @torch.no_grad()

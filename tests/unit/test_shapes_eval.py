@@ -20,12 +20,12 @@ from rewards.shapes import ShapesReward
 NAN = float("nan")
 
 
-def test_paired_stats_clusters_average_shared_prompts_before_the_se():
+def test_paired_stats_clusters_rows_of_one_prompt_in_the_se():
     base = torch.zeros(4, 2)
     other = torch.tensor([[0.0, 2.0], [3.0, 3.0], [1.0, 3.0], [6.0, 6.0]])  # row diffs 1, 3, 2, 6
-    # clusters a = (1 + 3) / 2 = 2, b = 2, c = 6: mean 10/3, sd 4/sqrt(3), SE = sd / sqrt(3) = 4/3
+    # mean over rows 3; cluster sums of residuals a = -2 + 0, b = -1, c = 3: SE = sqrt(3/2 * 14) / 4
     d, se, n = paired_stats(base, other, ["a", "a", "b", "c"])
-    assert (d, se, n) == pytest.approx((10 / 3, 4 / 3, 3))
+    assert (d, se, n) == pytest.approx((3.0, math.sqrt(21) / 4, 3))
     # without clusters: the per-row formula, mean 3, SE = sqrt(14/3) / sqrt(4), 4 rows
     d, se, n = paired_stats(base, other)
     assert (d, se, n) == pytest.approx((3.0, math.sqrt(14 / 3) / 2, 4))
@@ -33,7 +33,7 @@ def test_paired_stats_clusters_average_shared_prompts_before_the_se():
     # NaN rows are dropped before clustering: one more "a" row and a lone "e" row change nothing
     base_n, other_n = torch.cat([base, torch.zeros(2, 2)]), torch.cat([other, torch.tensor([[NAN, 9.0], [1.0, NAN]])])
     d, se, n = paired_stats(base_n, other_n, ["a", "a", "b", "c", "a", "e"])
-    assert (d, se, n) == pytest.approx((10 / 3, 4 / 3, 3))
+    assert (d, se, n) == pytest.approx((3.0, math.sqrt(21) / 4, 3))
 
 
 def _cells(table: str, label: str) -> list[str]:
@@ -53,12 +53,13 @@ def test_report_table_adds_one_row_per_category():
     assert [r.split("|")[1].strip() for r in cat_rows] == ["shapes_strict: counting (2 prompts)",
                                                           "shapes_strict: colors (1 prompts)"]
     assert not any(line.startswith("| jpeg: ") for line in table.splitlines())
-    # counting: rows 0, 1, 3; means 3/6 and 5/6; diffs 0.5, 0.5, 0 -> clusters p 0.5, r 0: 0.25 +- 0.25
-    assert _cells(table, "shapes_strict: counting (2 prompts)") == ["0.5000", "0.8333", "+0.2500 (0.2500)", "+1.0"]
+    # counting: rows 0, 1, 3; means 3/6 and 5/6; diffs 0.5, 0.5, 0 -> mean 1/3; cluster residual sums
+    # p +1/3, r -1/3: SE = sqrt(2 * 2/9) / 3 = 2/9, z 1.5
+    assert _cells(table, "shapes_strict: counting (2 prompts)") == ["0.5000", "0.8333", "+0.3333 (0.2222)", "+1.5"]
     assert _cells(table, "shapes_strict: colors (1 prompts)") == ["1.0000", "0.0000", "-1.0000 (nan)", "n/a"]
-    # the overall row clusters by prompt too: p 0.5, q -1, r 0 -> mean -1/6, SE sqrt(7) / 6
-    assert _cells(table, "shapes_strict (mean)") == ["0.6250", "0.6250", f"{-1 / 6:+.4f} ({math.sqrt(7) / 6:.4f})",
-                                                     f"{(-1 / 6) / (math.sqrt(7) / 6):+.1f}"]
+    # the overall row: the difference of the means shown (0), SE clustered by prompt: residual sums
+    # p +1, q -1, r 0 -> sqrt(3/2 * 2) / 4
+    assert _cells(table, "shapes_strict (mean)") == ["0.6250", "0.6250", f"+0.0000 ({math.sqrt(3) / 4:.4f})", "+0.0"]
 
 
 def test_grid_image_marks_frame_cells_inside():
