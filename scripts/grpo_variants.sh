@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GRPO family on the quickstart's pretrain export: Flow-GRPO-Fast, MixGRPO and DanceGRPO (configs/grpo/
+# The GRPO family on the emoji pretrain export (from `configs/emoji_jpeg_hack.yaml`): Flow-GRPO-Fast, MixGRPO and DanceGRPO (configs/grpo/
 # emoji_{fast,mixgrpo,dance}.yaml), then one paired held-out evaluation (same ODE seeds for every model,
 # standard errors clustered by prompt) of the starting export and the three post-trained ones.
-# Needs runs/emoji_jpeg_hack/pretrain/export (`make quickstart`). Usage: bash scripts/grpo_variants.sh [VARIANT ...]
+# Needs runs/emoji_jpeg_hack/pretrain/export (`posttrain pipeline configs/emoji_jpeg_hack.yaml`). Usage: bash scripts/grpo_variants.sh [VARIANT ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PT=${PT:-.venv/bin/posttrain}
 BASE=runs/emoji_jpeg_hack/pretrain/export
-test -f "$BASE/posttrain.json" || { echo "missing $BASE: run \`make quickstart\` first" >&2; exit 1; }
+test -f "$BASE/posttrain.json" || { echo "missing $BASE: run \`posttrain pipeline configs/emoji_jpeg_hack.yaml\` first" >&2; exit 1; }
 variants=("${@:-fast mixgrpo dance}")
 read -r -a variants <<< "${variants[*]}"
 exports=("$BASE")
