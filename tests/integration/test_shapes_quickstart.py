@@ -22,7 +22,7 @@ def test_quickstart_config_at_tiny_size(tmp_path, capsys):
     cfg["stages"][0]["overrides"] = ["train.steps=4", "model.preset=tiny", "eval.every=0", "eval.grid_every=0",
                                      *TINY_DATA]
     cfg["stages"][1]["overrides"] = ["train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4",
-                                     "rollout.num_inference_steps=3", "train.batch_size=8", "guard.every=1",
+                                     "rollout.num_inference_steps=4", "train.batch_size=8", "guard.every=1",
                                      "guard.num_prompts=12", "guard.num_inference_steps=3", "guard.loss_samples=8",
                                      "eval.every=0", "checkpoint.every=2", *TINY_DATA]
     cfg["eval"] |= {"num_prompts": 12, "samples_per_prompt": 1, "num_inference_steps": 3, "guard_samples": 8,
