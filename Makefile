@@ -6,7 +6,7 @@ DEB_PACKAGES := tesseract-ocr fonts-dejavu-core
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: quickstart test system venv clean-runs
+.PHONY: quickstart test test-all system venv clean-runs
 
 # Debian packages, installed only when run as root and missing (CI runs as root).
 system:
@@ -28,8 +28,13 @@ venv: $(VENV)/.installed
 quickstart: system venv
 	$(VENV)/bin/posttrain pipeline configs/quickstart.yaml
 
+# make test: every test of the core tier (tests/conftest.py); make test-all adds the long end-to-end runs.
+TEST_ENV := WANDB_MODE=offline POSTTRAIN_REQUIRE_EXTRAS=1
 test: system venv
-	WANDB_MODE=offline POSTTRAIN_REQUIRE_EXTRAS=1 $(PY) -m pytest -q --durations=10 tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=10 -m "not long" tests
+
+test-all: system venv
+	$(TEST_ENV) $(PY) -m pytest -q --durations=10 tests
 
 clean-runs:
 	rm -rf runs

@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # every rank exits 2 under torchrun; rank 0 alone prints it
         if _rank() == 0:
             print(f"config error: {e}", file=sys.stderr)
-            _record_for_torchrun(f"config error: {e}")
+        _record_for_torchrun(f"config error: {e}")  # every rank: the launcher names whichever failed first
         return 2
     except Exception as e:
         if not _run_failure(e):

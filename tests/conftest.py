@@ -24,6 +24,20 @@ def require_extra(module: str, extra: str):
         raise pytest.skip.Exception(message, allow_module_level=True)  # only a user's partial install
 
 
+TIERS = ("core", "long")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test belongs to a tier: its module's ``pytestmark = pytest.mark.core`` (``make test``) or
+    ``pytest.mark.long`` (``make test-all`` only, the long end-to-end runs); a test marked ``long`` in a
+    core module is long (``make test`` deselects ``-m "not long"``). A module that names no tier fails the collection, so no test drifts out of both."""
+    missing = sorted({item.nodeid.split("::")[0] for item in items
+                      if not any(item.get_closest_marker(t) for t in TIERS)})
+    if missing:
+        raise pytest.UsageError("tests without a tier (add `pytestmark = pytest.mark.core` or "
+                                "`pytest.mark.long` to the module): " + ", ".join(missing))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
     """One rendered-emoji / caption-embedding cache per test session."""

@@ -14,6 +14,8 @@ from tests.distributed.common import full_params, tiny_batch, tiny_model
 from pretrain.parallel.launch import run_ranks
 from tests.distributed.test_lora import _with_lora
 
+pytestmark = pytest.mark.core
+
 
 class Position:
     """A sampler position that differs per rank."""

@@ -3,7 +3,6 @@ on 2 ranks (FSDP2 over them, gradients summed) equals one process -- outputs wit
 within 1e-5 relative, LoRA and full fine-tuning; and CP is refused for SD3, which has no plan."""
 
 import pytest
-import torch
 
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.dims import ParallelDims
@@ -11,6 +10,8 @@ from pretrain.parallel.fsdp import parallelize
 from pretrain.parallel.launch import run_ranks
 from tests.distributed.common import full_grads
 from tests.distributed.test_tensor_parallel import FAMILIES, rel_diff, with_lora
+
+pytestmark = pytest.mark.core
 
 
 def _cp_equals_one_process(rank, world, family, lora):
@@ -39,8 +40,10 @@ def _cp_equals_one_process(rank, world, family, lora):
                 n_grads=len(want), grad_rel=worst, worst=name)
 
 
-@pytest.mark.parametrize("family,tokens", [("flux", 8), ("wan", 16)])  # half of 16 image / 32 video tokens
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("family,tokens,lora", [  # half of 16 image / 32 video tokens; make test: Wan with LoRA
+    pytest.param("wan", 16, True, id="lora-wan-16"),
+    *(pytest.param(f, n, lora, id=f"{'lora' if lora else 'full'}-{f}-{n}", marks=pytest.mark.long)
+      for f, n, lora in [("flux", 8, True), ("flux", 8, False), ("wan", 16, False)])])
 def test_cp2_equals_one_process(family, tokens, lora):
     for r in run_ranks(_cp_equals_one_process, family, lora):
         print(family, lora, r)

@@ -13,6 +13,8 @@ import pytest
 from pretrain.parallel.doctor_report import (bus_bandwidth, classify_links, majority_hash, round_robin,
                                              straggler_ratios)
 
+pytestmark = pytest.mark.core
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,6 +27,7 @@ def _doctor(out: Path, *options: str) -> tuple[subprocess.CompletedProcess, dict
     return proc, json.loads((out / "doctor.json").read_text())
 
 
+@pytest.mark.long
 def test_clean_four_ranks_flag_nothing(tmp_path):
     proc, report = _doctor(tmp_path / "clean")
     assert proc.returncode == 0, report["flagged"]

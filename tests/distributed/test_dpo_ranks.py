@@ -20,6 +20,8 @@ from pretrain.parallel.launch import run_ranks
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import dpo_config
 
+pytestmark = pytest.mark.core
+
 REWARD = "tests.distributed.test_dpo_ranks:brightness"
 ARGS = ("train.steps=1", "train.threads=1", "train.batch_size=8", "online.resample_every=1", "checkpoint.every=1",
         "online.prompts_per_round=8", "eval.grid_prompts=4", "optim.eps=1.0")

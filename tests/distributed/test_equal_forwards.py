@@ -13,6 +13,8 @@ from pretrain.parallel.fsdp import parallelize
 from pretrain.parallel.launch import run_ranks
 from tests.distributed.common import flow_loss, full_grads, tiny_batch, tiny_model
 
+pytestmark = pytest.mark.core
+
 SELECTED = [[0, 2], [1, 3, 4]]  # rank 0 trains 2 transitions, rank 1 trains 3
 
 
@@ -48,6 +50,7 @@ def _reference(rank, world):
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.long  # make test keeps the equal forward count and the refusal
 def test_padding_adds_nothing_to_the_gradients():
     results = run_ranks(_train, True, world_size=2)
     want = run_ranks(_reference, world_size=2)[0]

@@ -12,6 +12,8 @@ from pretrain.parallel.fsdp import parallelize
 from pretrain.parallel.launch import run_ranks
 from tests.distributed.common import full_grads
 
+pytestmark = pytest.mark.core
+
 
 def flux():
     from diffusers import FluxTransformer2DModel
@@ -65,7 +67,7 @@ def _family_fsdp(rank, world, build):
                 grad_max=max(float(g.abs().max()) for g in want.values()))
 
 
-@pytest.mark.parametrize("build,units", [(flux, 3), (unet, 5)])  # 1 double + 2 single; 2 down, mid, 2 up
+@pytest.mark.parametrize("build,units", [(flux, 3), pytest.param(unet, 5, marks=pytest.mark.long)])  # 1 double + 2 single; 2 down, mid, 2 up
 def test_fsdp_shards_every_block_and_matches_one_process(build, units):
     for r in run_ranks(_family_fsdp, build):
         print(build.__name__, r)

@@ -11,6 +11,8 @@ from pretrain.parallel.fsdp import parallelize
 from tests.distributed.common import flow_loss, full_grads, full_params, tiny_batch, tiny_model
 from pretrain.parallel.launch import run_ranks
 
+pytestmark = pytest.mark.core
+
 MICRO = 2  # samples per rank per micro-batch
 
 

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from pretrain.parallel.launch import run_ranks
 from tests.conftest import grpo_config
 
+pytestmark = pytest.mark.core
+
 REWARD = "tests.distributed.test_grpo_ranks:brightness"
 # Measured (torch 2.14 CPU, printed by the test): 6e-8, 7e-6, 2e-6; bounds ~10x above.
 ITER2_TOL = 1e-6  # max |reward difference| in iteration 2
@@ -137,6 +139,7 @@ def test_final_images_of_a_group_are_pairwise_distinct(runs):
                 assert (members[i] - members[j]).abs().max() > 1e-2, (int(g), i, j)
 
 
+@pytest.mark.long
 def test_sequence_parallel_full_finetuning_matches_single_process_rollout(runs, sp_full, capsys):
     one, _ = runs
     ref = one["records"][0]  # LoRA starts at B = 0, so iteration 1 samples the same base model
@@ -180,6 +183,7 @@ def _grpo_nan(rank, world, export, run_dir):
     return load_file(str(lora)) if rank == 0 else None
 
 
+@pytest.mark.long  # make test keeps the even 1 vs 2 ranks equality above
 def test_uneven_valid_counts_give_the_single_process_update(tiny_export, tmp_path, capsys):
     """Ranks masking different numbers of samples (NaN rewards) still train on the mean over all valid
     samples: each rank's loss is rescaled by dp x local count / global count before FSDP averages."""

@@ -2,11 +2,14 @@
 tiny size: torchrun, one gloo rank, the policy FSDP2-sharded (`parallel.always_shard`), LoRA and full
 fine-tuning, FLOPs counted per phase. The GPU run differs in device, backend, precision and shapes."""
 
+import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.long
 
 ROOT = Path(__file__).resolve().parents[2]
 

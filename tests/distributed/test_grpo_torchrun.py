@@ -2,6 +2,7 @@
 one job (rank 0 writes one metrics line per iteration, DCP shards from both ranks, one adapter and export),
 and a layout that does not divide the prompts stops with a message naming the key."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.core
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -50,6 +53,7 @@ def test_torchrun_two_ranks_run_one_grpo_job(tiny_export, tmp_path):
     assert one.returncode == 2 and "was written with 2, this run has 1" in one.stderr, one.stderr[-2000:]
 
 
+@pytest.mark.long
 def test_accelerate_multi_gpu_launch_equals_torchrun_and_cpu_launch_is_refused(tiny_export, tmp_path):
     args = ["grpo", "configs/grpo/emoji_tiny.yaml", f"model.pretrained={tiny_export}", "train.steps=1",
             "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0"]

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from pretrain.parallel.launch import run_ranks
 from tests.conftest import grpo_config
 
+pytestmark = pytest.mark.long  # make test keeps TP and CP model equality (test_tensor_parallel, test_context_parallel)
+
 REWARD = "tests.distributed.test_layout_grpo:brightness"
 REWARD_TOL = 1e-6  # iteration-1 rewards vs one process; measured (printed) 0 to ~1e-7
 RATIO_TOL = 1e-5
@@ -69,10 +71,21 @@ def folders(tiny_export, tmp_path_factory):
             "wan": str(build_tiny_wan(root / "wan"))}
 
 
+class _OneProcess(dict):
+    """The one-process reference of a family, run the first time a test asks for it."""
+
+    def __init__(self, folders, root):
+        super().__init__()
+        self.folders, self.root = folders, root
+
+    def __missing__(self, family):
+        self[family] = run_ranks(_grpo, self.folders[family], str(self.root / family), FAMILY[family], world_size=1)[0]
+        return self[family]
+
+
 @pytest.fixture(scope="module")
 def one_process(folders, tmp_path_factory):
-    d = tmp_path_factory.mktemp("layout_one")
-    return {f: run_ranks(_grpo, folders[f], str(d / f), FAMILY[f], world_size=1)[0] for f in FAMILY}
+    return _OneProcess(folders, tmp_path_factory.mktemp("layout_one"))
 
 
 @pytest.mark.parametrize("family,layout,world", LAYOUTS)

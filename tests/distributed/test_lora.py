@@ -16,6 +16,8 @@ from pretrain.parallel.fsdp import parallelize
 from tests.distributed.common import flow_loss, full_params, tiny_batch, tiny_model
 from pretrain.parallel.launch import run_ranks
 
+pytestmark = pytest.mark.core
+
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 

@@ -17,6 +17,8 @@ from tests.distributed.common import flow_loss, full_params, tiny_batch, tiny_mo
 
 from tests.conftest import require_extra  # noqa: E402
 
+pytestmark = pytest.mark.core
+
 require_extra("torchao", "lowp")
 MICRO, STEPS = 4, 2
 
@@ -49,7 +51,8 @@ def _fsdp_low_precision(rank, world, tmp, recipe, all_gather):
             "float8": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}
 
 
-@pytest.mark.parametrize("recipe,all_gather", [("fp8_rowwise", False), ("fp8_tensorwise", True)])
+@pytest.mark.parametrize("recipe,all_gather", [("fp8_rowwise", False),
+                                               pytest.param("fp8_tensorwise", True, marks=pytest.mark.long)])
 def test_fsdp_over_fp8_layers_equals_one_process(tmp_path, recipe, all_gather):
     results = run_ranks(_fsdp_low_precision, str(tmp_path), recipe, all_gather, world_size=2)
     ref = tiny_model()  # the same converted model in this (plain) process

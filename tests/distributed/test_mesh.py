@@ -10,6 +10,8 @@ from pretrain.parallel.data import gather_samples, shard_bounds
 from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.launch import run_ranks
 
+pytestmark = pytest.mark.core
+
 
 def test_degrees_must_multiply_to_world_size():
     with pytest.raises(ValueError, match=r"dp_replicate=2 x dp_shard=2 x cp=1 x sp=1 x tp=1 = 4 != world size 2"):

@@ -2,6 +2,7 @@
 logged means are the pooled means over the 4 samples (not the mean of the per-rank means) and the
 maxima / minima the true ones (not averaged)."""
 
+import pytest
 import math
 
 import torch
@@ -10,6 +11,8 @@ from posttrain.grpo.stage import RANK_SAME, summarize
 from pretrain.parallel.dims import ParallelDims
 from pretrain.parallel.job import JobRanks
 from pretrain.parallel.launch import run_ranks
+
+pytestmark = pytest.mark.core
 
 SAMPLES = [[0.5], [4.0, -1.0, 2.5]]  # rank 0 holds 1 sample, rank 1 holds 3
 

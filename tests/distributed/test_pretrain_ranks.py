@@ -16,6 +16,8 @@ from pretrain.parallel.launch import run_ranks
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.core
+
 ARGS = ("train.steps=2", "train.threads=1", "train.batch_size=16", "train.grad_accum=2", "eval.every=0",
         "eval.heldout_samples=16", "eval.grid_every=2", "eval.grid_prompts=4", "eval.num_inference_steps=2",
         "optim.eps=1e-4")
@@ -90,6 +92,7 @@ def test_two_ranks_train_what_one_process_trains(runs, capsys):
     assert d_loss <= LOSS_RTOL and d_param <= PARAM_TOL * moved
 
 
+@pytest.mark.long  # make test keeps TP model equality (test_tensor_parallel)
 def test_tensor_parallel_pretraining_trains_what_one_process_trains(runs, tmp_path, capsys):
     """TP 2 (one data shard: both ranks run every sample, each with half of every projection): the same
     losses and weights as one process, and a DCP checkpoint of the TP x FSDP shards. The replica check

@@ -15,6 +15,8 @@ from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.runtime import ReplicaDriftError, Runtime
 from tests.distributed.common import flow_loss, full_params, tiny_batch, tiny_model
 
+pytestmark = pytest.mark.core
+
 
 def _step(model, rt, rank, world, step):
     x, sigma, embeds, v = tiny_batch(2 * world, seed=step)

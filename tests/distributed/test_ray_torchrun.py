@@ -2,9 +2,12 @@
 every rank trains its share, and the first iteration's rewards are those of a one-process colocated run
 (sync mode samples exactly what the colocated path samples)."""
 
+import pytest
 import json
 
 from tests.conftest import grpo_config, require_extra
+
+pytestmark = pytest.mark.long
 
 require_extra("ray", "ray")
 

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from pretrain.runtime.guard import NonFiniteError
 from pretrain.runtime.restarts import Attempt, ended, restarts_of
 
+pytestmark = pytest.mark.core
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,7 +49,7 @@ def _check_restart(folder: Path, proc: subprocess.CompletedProcess, resumed: str
     assert "failed (exitcode: 43) local_rank: 1" in proc.stderr  # the injected death, seen by torchrun
     (restart,) = restarts_of(folder)
     assert restart["restart"] == 1 and restart["resumed_from"] == str(folder / "checkpoints" / resumed)
-    assert restart["why"][0].startswith(f"rank 1 (host ")  # the silent death first, then the peer it broke
+    assert restart["why"][0].startswith("rank 1 (host ")  # the silent death first, then the peer it broke
     # the step a rank was last seen at is written at each checkpoint and at most every 10 s in between
     assert any(restart["why"][0].endswith(f"ended without a Python error: killed, os._exit, a crash or the OOM "
                                           f"killer (last seen at optimizer step {s}, last checkpoint {resumed})")
@@ -60,6 +62,7 @@ def _check_restart(folder: Path, proc: subprocess.CompletedProcess, resumed: str
     assert [r["status"] for r in final] == ["finished", "finished"]
 
 
+@pytest.mark.long  # an end-to-end torchrun restart; make test keeps the in-process resume and checkpoint tests
 def test_pretraining_restarts_after_a_rank_dies_and_ends_bitwise(tmp_path):
     args = ["pretrain", "configs/pretrain/emoji_tiny.yaml", "train.steps=6", "checkpoint.every=2", "eval.every=0",
             "eval.grid_every=0", "train.threads=1", "train.batch_size=16"]
@@ -76,6 +79,7 @@ def test_pretraining_restarts_after_a_rank_dies_and_ends_bitwise(tmp_path):
     assert [s for s, _ in losses] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.long  # as the pretraining restart
 def test_grpo_restarts_after_a_rank_dies_and_ends_bitwise(tiny_export, tmp_path):
     args = ["grpo", "configs/grpo/emoji_tiny.yaml", f"model.pretrained={tiny_export}", "train.steps=3",
             "checkpoint.every=1", "train.threads=1", "eval.grid_prompts=4"]

@@ -9,6 +9,8 @@ from pretrain.parallel.sequence import enable_sequence_parallel
 from tests.distributed.common import full_grads, tiny_batch, tiny_model
 from pretrain.parallel.launch import run_ranks
 
+pytestmark = pytest.mark.core
+
 
 def _sp_vs_single(rank, world):
     mesh = ParallelDims(dp_shard=1, sp=2).build_mesh()

@@ -13,6 +13,8 @@ from pretrain.parallel.launch import run_ranks
 from pretrain.text_encoder import PromptEmbeds
 from tests.distributed.common import full_grads, full_params
 
+pytestmark = pytest.mark.core
+
 TEXT_DIM = 32
 
 
@@ -106,8 +108,10 @@ def _tp_equals_one_process(rank, world, family, lora, dp_shard, checkpointing=Fa
                 param_diff=max(float((params[k] - params_ref[k]).abs().max()) for k in params_ref))
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "wan"])
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("family,lora", [  # make test: SD3 with LoRA and full; make test-all: every family
+    pytest.param("sd3", True, id="lora-sd3"), pytest.param("sd3", False, id="full-sd3"),
+    *(pytest.param(f, lora, id=f"{'lora' if lora else 'full'}-{f}", marks=pytest.mark.long)
+      for f in ("flux", "wan") for lora in (True, False))])
 def test_tp2_equals_one_process(family, lora):
     for r in run_ranks(_tp_equals_one_process, family, lora, 1):
         print(family, lora, r)
@@ -118,6 +122,7 @@ def test_tp2_equals_one_process(family, lora):
         assert r["param_diff"] <= 1e-5, r
 
 
+@pytest.mark.long  # 4 ranks; make test keeps TP 2 and FSDP 2 apart
 @pytest.mark.parametrize("family", ["sd3", "flux", "wan"])
 def test_tp2_x_fsdp2_equals_one_process(family):
     """4 ranks, 2 data shards of 2 samples; activation checkpointing between TP and FSDP2 (torchtitan's order)."""

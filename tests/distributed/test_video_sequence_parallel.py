@@ -15,6 +15,8 @@ from pretrain.schedule import sigma_schedule
 from pretrain.text_encoder import PromptEmbeds
 from tests.distributed.common import full_grads
 
+pytestmark = pytest.mark.long  # make test keeps image SP (test_sequence_parallel) and Wan CP (test_context_parallel)
+
 FRAMES, SIZE, TEXT_DIM, STEPS, NOISE, SCALE = 4, 16, 32, 4, 0.7, 2.0
 
 

@@ -21,6 +21,8 @@ from pretrain.text_encoder import PromptEmbeds
 from pretrain.trainer import train as pretrain
 from tests.conftest import grpo_config, tiny_config
 
+pytestmark = pytest.mark.core
+
 NAME = "toy"
 PRESETS = {"tiny": dict(hidden=16, num_layers=2), "small": dict(hidden=32, num_layers=3)}
 

@@ -10,6 +10,8 @@ from pretrain.sampling import initial_noise, sample_latents
 from tests.conftest import ROOT, grpo_config
 from tests.families.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
+pytestmark = pytest.mark.core
+
 SIZE, STEPS, GUIDANCE, MAX_LEN = 32, 4, 3.5, 32
 OPTIONS = {"image_size": SIZE, "max_sequence_length": MAX_LEN, "guidance": GUIDANCE}
 PROMPTS = ["a red apple", "the flag of a cat"]
@@ -159,6 +161,7 @@ def test_grpo_log_probs_recomputed_in_training_equal_rollout(flux_dir, capsys):
     assert worst <= 1e-5, worst
 
 
+@pytest.mark.long
 def test_gpu_preset_compiled_blocks_give_eager_log_probs_and_gradients(flux_dir, capsys):
     from tests.families.compiled import assert_compiled_matches_eager
 

@@ -13,6 +13,8 @@ import torch
 from pretrain.text_encoder import PromptEmbeds
 from tests.families.lora_policy import perturbed_lora_policy
 
+pytestmark = pytest.mark.core
+
 RANK, ALPHA = 4, 6.0
 # float32 rounding, relative to the largest output when that exceeds 1 (the UNets' velocities reach ~40 at
 # these sigmas; measured: at most 3.5e-7 of it, 0 where the weights load unchanged)

@@ -9,6 +9,8 @@ import torch
 from pretrain.export import load_exported
 from pretrain.sampling import sample_latents
 
+pytestmark = pytest.mark.core
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["a red apple", "the flag of a cat"]
 SIZE, STEPS, SCALE, NOISE, TOL = 32, 4, 4.5, 0.7, 1e-5
@@ -209,6 +211,7 @@ def test_rollout_log_probs_recomputed_in_training_equal(folder, capsys):
     assert d_ref > 10 * TOL, d_ref.item()  # the reference (adapters off) gives other log-probs
 
 
+@pytest.mark.long
 def test_gpu_preset_compiled_blocks_give_eager_log_probs_and_gradients(folder, capsys):
     from tests.families.compiled import assert_compiled_matches_eager
 

@@ -15,6 +15,8 @@ from pretrain.sampling import sample_latents
 from pretrain.text_encoder import PromptEmbeds
 from tests.families.test_sd3 import PROMPTS, SIZE, save_tiny_sd3
 
+pytestmark = pytest.mark.core
+
 STEPS, SCALE = 10, 4.5
 # the shift-3 ten-step schedule's timesteps (sigma * 1000), as the pipeline's scheduler computes them
 SHIFT3_TEN = [1000.0, 960.129, 913.349, 857.692, 790.368, 707.279, 602.151, 464.876, 278.049, 8.929]

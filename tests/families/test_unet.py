@@ -13,6 +13,8 @@ from pretrain.sampling import initial_noise, sample_latents
 from tests.conftest import ROOT, dpo_config
 from tests.families.tiny_unet_pipelines import SCALED_LINEAR, save_sd, save_sdxl, schedulers
 
+pytestmark = pytest.mark.core
+
 PROMPTS = ["a red apple", "a cat face"]
 STEPS, GUIDANCE = 4, 3.0
 

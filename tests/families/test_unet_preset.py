@@ -15,6 +15,8 @@ from pretrain.sampling import sample_latents
 from pretrain.text_encoder import PromptEmbeds
 from tests.conftest import grpo_config, tiny_config
 
+pytestmark = pytest.mark.core
+
 SIZE, TEXT = 16, 384
 UNET = ["model.arch=unet", "model.preset=tiny", "flow.objective=epsilon", "eval.shift=null"]
 

@@ -12,6 +12,8 @@ from pretrain.sampling import initial_noise, sample_latents
 from rewards.base import REGISTRY, register
 from tests.conftest import ROOT, grpo_config
 
+pytestmark = pytest.mark.core
+
 FRAMES, SIZE, STEPS, SCALE, NOISE = 5, 32, 4, 4.5, 0.7
 OPTIONS = {"num_frames": FRAMES, "image_size": SIZE}
 PROMPTS = ["a red apple moving", "the cat of the flag"]

@@ -20,6 +20,8 @@ from pretrain.data.emoji import is_heldout
 from rewards.base import REGISTRY, register
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.core
+
 HELDOUT = 1e-4  # the source's held-out fraction: only the filler sample below is held out
 
 if "test_curate_brightness" not in REGISTRY:

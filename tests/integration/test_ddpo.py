@@ -9,6 +9,8 @@ from posttrain.grpo.parts.registry import ADVANTAGES
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import grpo_config
 
+pytestmark = pytest.mark.core
+
 DDPO = ("rollout.step=ddim", "rollout.noise_level=1.0", "rollout.timestep_fraction=1.0",
         "grpo.advantage={name: per_prompt, buffer_size: 8, min_count: 6}", "grpo.loss.beta=0.0",
         "rollout.guidance_scale=1.0", "train.batch_size=16")

@@ -18,6 +18,8 @@ from pretrain.runtime.metrics import read_metrics
 from rewards.base import REGISTRY, register
 from tests.conftest import dpo_config
 
+pytestmark = pytest.mark.core
+
 if "test_brightness" not in REGISTRY:
     @register("test_brightness")
     def _brightness():

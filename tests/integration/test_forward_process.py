@@ -12,6 +12,8 @@ from rollout.sampler import Sampler
 from tests.conftest import grpo_config
 from tests.integration.test_grpo import STEPS, _setup
 
+pytestmark = pytest.mark.core
+
 ODE = ("rollout.step=ode", "~grpo.loss.clip_range", "~grpo.loss.beta")
 LOSSES = {"nft": "grpo.loss={name: nft, timesteps_per_sample: 2}",
           "awm": "grpo.loss={name: awm, timesteps_per_sample: 2, advantage_scale: 1.0}",
@@ -46,11 +48,20 @@ def test_the_ode_rollout_is_the_deterministic_sampler(tiny_export, solver):
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_forward_process_losses_train_and_move_the_policy(tiny_export, tmp_path, name):
+    """Each loss trains: every optimizer step moves the adapter. LoRA B starts at 0 and Adam's first step
+    moves each entry with a non-zero gradient by about lr (m / sqrt(v) = sign(g)), so after the run most
+    lora_B entries are at least lr / 2 from 0; a loss with no gradient, or a step never taken, leaves them at 0."""
+    from safetensors.torch import load_file
+
     one_step = ("train.batch_size=16",) if name == "dgpo" else ()  # one optimizer step per iteration
-    grpo_train(grpo_config(tmp_path, tiny_export, *ODE, LOSSES[name], "train.steps=2", *one_step))
+    cfg = grpo_config(tmp_path, tiny_export, *ODE, LOSSES[name], "train.steps=2", *one_step)
+    grpo_train(cfg)
     recs = read_metrics(tmp_path / "grpo/metrics.jsonl")
     assert len(recs) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
     assert recs[0]["grad_norm"] > 0 and "ratio_mean" not in recs[0]
+    lora = load_file(str(tmp_path / "grpo/lora/pytorch_lora_weights.safetensors"))
+    moved = torch.cat([v.flatten() for k, v in lora.items() if "lora_B" in k]).abs()
+    assert moved.numel() > 0 and moved.median() >= 0.5 * cfg.optim.lr, moved.median()
     if name == "dgpo":  # policy = reference before the first step: ln 2
         assert recs[0]["loss"] == pytest.approx(0.6931472, abs=1e-5)
     if name == "nft":

@@ -1,5 +1,6 @@
 """GRPO spine on the tiny preset: log-prob consistency, accumulation, LoRA export, reward rises."""
 
+import pytest
 import torch
 
 from posttrain.grpo.stage import train as grpo_train
@@ -14,6 +15,8 @@ from pretrain.schedule import sigma_schedule
 from rewards.base import REGISTRY, register
 from rollout.sampler import log_prob
 from tests.conftest import grpo_config, sampler_rollout
+
+pytestmark = pytest.mark.core
 
 STEPS, SCALE, NOISE = 6, 4.5, 0.7
 

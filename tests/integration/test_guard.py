@@ -15,6 +15,8 @@ from pretrain.runtime.metrics import read_metrics
 from rewards.base import REGISTRY, register
 from tests.conftest import grpo_config
 
+pytestmark = pytest.mark.core
+
 
 def test_group_diversity_closed_form():
     a = torch.zeros(1, 3, 8, 8)
@@ -110,14 +112,32 @@ def test_export_best_is_the_check_the_guard_chose(tiny_export, tmp_path):
 
 
 def test_online_dpo_runs_the_same_guard(tiny_export, tmp_path):
+    """The DPO stage's guard probes its own policy: the baseline equals the probe computed here by hand on
+    the export (LoRA B = 0 at step 0), and the check at step 5 equals the probe of the exported policy."""
+    from posttrain.base.guard import GuardConfig
+    from posttrain.base.stage import PolicyStage
     from posttrain.dpo.stage import train as dpo_train
+    from posttrain.eval.probe import probe_scores, prompt_mean
+    from pretrain.export import load_exported
+    from rewards.base import CompositeReward
     from tests.conftest import dpo_config
 
-    dpo_train(dpo_config(tmp_path, tiny_export, "guard.every=5", *PROBE))  # 5 steps
+    cfg = dpo_config(tmp_path, tiny_export, "guard.every=5", *PROBE)  # 5 steps
+    dpo_train(cfg)
     checks = [r for r in read_metrics(tmp_path / "dpo/metrics.jsonl") if "guard/loss" in r]
     assert [r["step"] for r in checks] == [0, 5]
-    assert all(math.isfinite(r["guard/loss"]) and math.isfinite(r["guard/trained"]) for r in checks)
     assert (tmp_path / "dpo/samples/guard_step_00005.png").is_file()
+
+    probe_cfg = GuardConfig(every=5, num_prompts=8, num_inference_steps=6, loss_samples=32,
+                            guidance_scale=1.0).probe_config()
+    trained = CompositeReward(cfg.rewards)
+    fns = {"trained": lambda images, prompts, metadata=None: trained(images, prompts)[0]}
+    st = PolicyStage.setup(dpo_config(tmp_path / "probe", tiny_export, *PROBE), "probe")
+    for check, model in ((checks[0], st.model), (checks[1], load_exported(tmp_path / "dpo/export")[0])):
+        scores, loss, _, _ = probe_scores(model, st, probe_cfg, fns)
+        assert check["guard/loss"] == pytest.approx(loss, rel=1e-4)
+        assert check["guard/trained"] == pytest.approx(prompt_mean(scores["trained"]), rel=1e-4, abs=1e-4)
+    assert checks[1]["guard/trained"] != checks[0]["guard/trained"]  # the policy moved between the checks
 
 
 def test_switching_the_guard_on_at_resume_is_refused_naming_it(tiny_export, tmp_path):

@@ -14,6 +14,8 @@ from pretrain.runtime.metrics import read_metrics
 from pretrain.trainer import train
 from tests.conftest import dpo_config, grpo_config, require_extra, tiny_config
 
+pytestmark = pytest.mark.core
+
 require_extra("torchao", "lowp")
 FP8 = ["train.low_precision.recipe=fp8_rowwise", "train.low_precision.emulate=true"]
 

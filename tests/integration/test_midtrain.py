@@ -17,6 +17,8 @@ from pretrain.objective import FlowConfig
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.core
+
 EMOJI = ("red heart", "sun", "blue circle", "fire")
 # Each emoji under 8 wordings: the held-out split (by a hash of the caption, a quarter) holds 8 samples
 # whose images the train split also holds under other wordings, so fitting the train split must lower it.

@@ -7,6 +7,8 @@ import pytest
 from posttrain.grpo.stage import GRPORun
 from tests.conftest import grpo_config
 
+pytestmark = pytest.mark.core
+
 
 def _first_iteration(export, run_dir, old_log_prob, precision="bf16"):
     run = GRPORun(grpo_config(run_dir, export, f"train.precision={precision}", "rollout.precision=bf16",

@@ -19,6 +19,8 @@ from pretrain.config import ConfigError
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import grpo_config
 
+pytestmark = pytest.mark.core
+
 CALLS = []
 
 

@@ -2,6 +2,7 @@
 gradients; the LoRA-merged copy computes the policy's function; async scoring keeps sample order;
 the profiler writes a Chrome trace."""
 
+import pytest
 import json
 import random
 from dataclasses import replace
@@ -21,6 +22,8 @@ from pretrain.runtime.metrics import read_metrics
 from rewards.scoring import AsyncScorer
 from tests.conftest import grpo_config
 from tests.integration.test_grpo import STEPS, _rollout, _setup
+
+pytestmark = pytest.mark.core
 
 
 def _loss_and_grads(policy, traj, null, uncond_model, uncond_in_batch, per, rollout_uncond=False):
@@ -62,6 +65,7 @@ def test_optimized_step_has_the_plain_steps_loss_and_gradients(tiny_export):
         assert worst <= 1e-5 * scale, (per, worst, scale)
 
 
+@pytest.mark.long
 def test_compiled_blocks_with_sigmoid_gelu_give_the_plain_steps_loss_and_gradients(tiny_export):
     from posttrain.base.compile import compile_blocks
     from posttrain.grpo.perf import apply_model_options, resolve_perf

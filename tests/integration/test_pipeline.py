@@ -1,10 +1,13 @@
 """pretrain -> dpo -> grpo chained by the pipeline runner, then the paired evaluation."""
 
+import pytest
 import yaml
 
 from posttrain.cli import main
 from posttrain.eval.evaluate import EvalConfig, evaluate
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.core
 
 
 def test_pipeline_chains_stages_and_evaluates(tmp_path, capsys):

@@ -1,10 +1,13 @@
 """The tiny preset end to end through the CLI: metrics, held-out loss falls, export, sample grid."""
 
+import pytest
 import math
 
 from posttrain.cli import main
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.core
 
 
 def test_tiny_pretrain_then_sample(tmp_path, capsys):

@@ -16,6 +16,8 @@ from posttrain.eval.report import write_report
 from posttrain.eval.plots import grid_cells
 from pretrain.sampling import save_grid
 
+pytestmark = pytest.mark.core
+
 NAN = "nan"
 PROMPTS = ["a very long prompt about a smiling yellow face with tears of joy and sunglasses", "red apple",
            "flag: united kingdom of great britain and northern ireland", "rocket"]

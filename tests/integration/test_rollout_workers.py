@@ -10,6 +10,8 @@ import torch
 
 from tests.conftest import require_extra  # noqa: E402
 
+pytestmark = pytest.mark.core
+
 ray = require_extra("ray", "ray")
 
 from posttrain.grpo.engines.weight_sync import WeightPacket, WeightSyncError  # noqa: E402
@@ -80,6 +82,7 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
     assert max((la[k] - lc[k]).abs().max().item() for k in la) <= 1e-6
 
 
+@pytest.mark.long  # make test keeps the sync mode's equality with the colocated run and the worker replacement
 @pytest.mark.parametrize("mode,k", [("one_step_off", 1), ("async", 2)])
 def test_stale_modes_keep_staleness_within_bound_with_a_slow_worker(tiny_export, tmp_path, ray_cluster,
                                                                      monkeypatch, mode, k, capsys):
@@ -103,7 +106,7 @@ def test_stale_modes_keep_staleness_within_bound_with_a_slow_worker(tiny_export,
         assert sum(c[0] for c in counts) > sum(c[1] for c in counts), counts
 
 
-@pytest.mark.parametrize("sync", ["object_store", "collective"])
+@pytest.mark.parametrize("sync", ["object_store", pytest.param("collective", marks=pytest.mark.long)])
 def test_a_worker_killed_mid_iteration_is_replaced_and_no_sample_is_lost(tiny_export, tmp_path, ray_cluster,
                                                                           monkeypatch, sync):
     monkeypatch.setenv("POSTTRAIN_SLOW_WORKER", "0:2.0")

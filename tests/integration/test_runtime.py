@@ -20,6 +20,8 @@ from pretrain import trainer as trainer_mod
 from pretrain.trainer import train
 from tests.conftest import ROOT, tiny_config
 
+pytestmark = pytest.mark.core
+
 RESUME_ARGS = ("train.steps=4", "train.grad_accum=2", "train.batch_size=8", "train.ema_decay=0.9",
                "optim.schedule=cosine", "optim.warmup_steps=1", "checkpoint.every=2", "checkpoint.keep_last=5",
                "eval.every=0")

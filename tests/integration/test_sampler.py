@@ -12,6 +12,8 @@ from rollout.sampler import Sampler, log_prob
 from rollout.trajectory import Trajectory
 from tests.integration.test_grpo import STEPS, _setup
 
+pytestmark = pytest.mark.core
+
 
 def _sampler(model, encoder, **kw):
     cfg = RolloutConfig(num_inference_steps=STEPS, group_size=2, batch_size=4, shift=3.0, **kw)

@@ -29,6 +29,8 @@ from rewards.transport import RewardUnavailable
 from tests.integration.judge_server import JudgeServer
 from tests.integration.test_served_rewards import WEIGHTS, serve_reward_process
 
+pytestmark = pytest.mark.core
+
 TOKEN = "s3cret-test-token"
 LIMITS = Limits(max_body_bytes=256 << 10, max_image_pixels=64 * 64, max_request_pixels=3 * 64 * 64,
                 read_timeout_s=0.5, max_inflight=2)

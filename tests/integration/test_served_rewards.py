@@ -29,6 +29,8 @@ from rewards.served import ServedReward
 from tests.conftest import ROOT
 from tests.integration.judge_server import JudgeServer
 
+pytestmark = pytest.mark.core
+
 WEIGHTS = {"jpeg_compressibility": 1.0, "jpeg_incompressibility": 0.25}
 B = 8
 

@@ -2,6 +2,7 @@
 -> paired evaluation) at tiny size: every piece of the path it takes runs, and what it reports is
 consistent (per-category rows, per-category guard curves, pass/fail frames that match the judge)."""
 
+import pytest
 import json
 
 import numpy as np
@@ -12,6 +13,8 @@ from posttrain.cli import main
 from pretrain.data import shapes as grammar
 from pretrain.grid import FAIL_RGB, PASS_RGB
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.core
 
 TINY_DATA = ["data.scenes=256", "data.heldout_per_category=2"]
 

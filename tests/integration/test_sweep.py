@@ -12,6 +12,8 @@ from posttrain.tools.sweep_report import mean_se, time_to
 from pretrain.config import ConfigError, load_config
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.core
+
 TINY = str(ROOT / "configs/grpo/emoji_tiny.yaml")
 TINY_DPO = str(ROOT / "configs/dpo/emoji_tiny.yaml")
 
@@ -47,6 +49,7 @@ def test_time_to_target_interpolates_between_probes():
     assert m == 2.0 and se == pytest.approx(1.0)  # sd sqrt(2) / sqrt(2)
 
 
+@pytest.mark.long
 def test_sweep_runs_every_arm_and_resumes_after_a_kill(tiny_export, tmp_path, monkeypatch):
     path = _sweep_yaml(tmp_path, tiny_export)
     cfg = load_config(SweepConfig, path, [])

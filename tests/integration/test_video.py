@@ -12,6 +12,8 @@ from pretrain.runtime.metrics import read_metrics
 from rollout.sampler import log_prob
 from tests.conftest import ROOT, sampler_rollout
 
+pytestmark = pytest.mark.core
+
 STEPS, NOISE, SCALE = 4, 0.7, 2.0
 
 

@@ -1,6 +1,7 @@
 """The tanh GELU written as x * sigmoid(2z) is the same function, and rewriting a model's GELUs keeps its
 output, parameters and state dict."""
 
+import pytest
 import copy
 
 import torch
@@ -10,6 +11,8 @@ from diffusers.models.attention import FeedForward
 
 from pretrain.models import ModelConfig, build_backbone
 from pretrain.models.activations import gelu_tanh_as_sigmoid, rewrite_tanh_gelu
+
+pytestmark = pytest.mark.core
 
 
 def test_sigmoid_form_equals_the_tanh_gelu_and_its_gradient():

@@ -1,12 +1,15 @@
 """Adam's eps swallowing small gradients is measured and warned about: ``adam_eps_dominated_frac`` is the
 share of trainable elements with sqrt(v_hat) < eps (:mod:`pretrain.runtime.adam_eps`)."""
 
+import pytest
 import logging
 
 import torch
 
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.runtime import Runtime
+
+pytestmark = pytest.mark.core
 
 
 def _run(tmp_path, eps: float, grad: float, steps: int = 3, every: int = 1) -> tuple[list[dict], torch.Tensor]:

@@ -17,6 +17,8 @@ from pretrain.runtime.guard import NonFiniteError
 from pretrain.runtime.runtime import Runtime
 from pretrain.runtime.storage import StorageError
 
+pytestmark = pytest.mark.core
+
 
 def _runtime(root, lr=0.1, seed=0):
     torch.manual_seed(seed)

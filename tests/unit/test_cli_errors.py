@@ -17,6 +17,8 @@ from pretrain.config import ConfigError, load_config
 from pretrain.config_keys import check_keys, key_tree
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.core
+
 SMALL = str(ROOT / "configs/pretrain/emoji_small.yaml")
 GRPO_TINY = str(ROOT / "configs/grpo/emoji_tiny.yaml")
 

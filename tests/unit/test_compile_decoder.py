@@ -1,10 +1,13 @@
 """perf.compile_decoder (opt-in): the rollout's VAE decoder compiled gives the eager decoder's images up
 to float rounding; codecs without a VAE decoder are left alone."""
 
+import pytest
 import torch
 
 from posttrain.grpo.perf import PerfConfig, compile_decoder, resolve_perf
 from pretrain.codec import PatchifyCodec, VAECodec
+
+pytestmark = pytest.mark.core
 
 
 def _tiny_vae_codec() -> VAECodec:

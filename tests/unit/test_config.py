@@ -4,6 +4,8 @@ from posttrain.cli import main
 from pretrain.config import ConfigError
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.core
+
 TINY = str(ROOT / "configs/pretrain/emoji_tiny.yaml")
 
 

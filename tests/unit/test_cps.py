@@ -8,6 +8,8 @@ import torch
 from rollout.cps import cps_step
 from rollout.sde import sde_step
 
+pytestmark = pytest.mark.core
+
 
 @pytest.mark.parametrize("sigma,sigma_next", [(1.0, 0.9), (0.6, 0.45), (0.2, 0.05)])
 def test_mean_std_and_log_prob_equal_hand_computation(sigma, sigma_next):

@@ -7,6 +7,8 @@ from pretrain.data import emoji as E
 from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets, load_openmoji
 from pretrain.data.folder import DatasetError, load_image_folder
 
+pytestmark = pytest.mark.core
+
 
 @pytest.fixture(scope="module")
 def openmoji32():

@@ -8,6 +8,8 @@ import torch
 from rollout.ddim import ddim_step
 from rollout.sde import sde_step
 
+pytestmark = pytest.mark.core
+
 
 def _n(sigma: float) -> float:
     return math.sqrt((1 - sigma) ** 2 + sigma ** 2)

@@ -8,6 +8,8 @@ from pretrain.schedule import sigma_schedule
 from rollout.dpm_solver import dpmpp_2m_update, flow_data_prediction
 from rollout.ode_solver import dpmpp_2m
 
+pytestmark = pytest.mark.core
+
 SHAPE = (2, 4, 6, 6)
 
 

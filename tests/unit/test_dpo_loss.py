@@ -6,6 +6,8 @@ import torch
 from posttrain.dpo.errors import eps_errors
 from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term
 
+pytestmark = pytest.mark.core
+
 
 def test_inside_term_and_sigmoid_loss_by_hand():
     ew, el = torch.tensor([0.10, 0.30]), torch.tensor([0.20, 0.25])

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.core
+
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = ["wandb", "pytesseract", "open_clip", "imageio", "datasets"]
 

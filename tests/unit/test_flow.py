@@ -5,6 +5,8 @@ from pretrain.flow import (cfg_combine, euler_sample, flow_matching_loss, interp
                            velocity_target)
 from pretrain.schedule import sample_discrete_training_sigmas, sigma_schedule
 
+pytestmark = pytest.mark.core
+
 
 def test_interpolation_and_target_by_hand():
     x0 = torch.tensor([[1.0, -1.0]])

@@ -8,6 +8,8 @@ import torch
 
 from pretrain.models.flow_schedule import checked_schedule, set_flow_timesteps
 
+pytestmark = pytest.mark.core
+
 
 def shifted(s: Fraction, shift: int = 3) -> Fraction:
     """SD3's shift s' = shift * s / (1 + (shift - 1) * s), exact."""

@@ -11,6 +11,8 @@ from pretrain.objective import pretrain_loss
 from pretrain.text_encoder import PromptEmbeds
 from rollout.ode import ode_step
 
+pytestmark = pytest.mark.core
+
 
 def test_nft_loss_and_gradient_by_hand():
     # x0 = 0, x_t = (0.5, 0.5), sigma 0.5, v = (1, 1), v_old = (0, 2), beta 0.5, r 0.75, m 5:

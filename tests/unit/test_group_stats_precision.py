@@ -2,10 +2,13 @@
 float32 rewards 1e6 + N(0, 30^2) (where float32 arithmetic loses ~2e-3 of an advantage and the one-pass
 E[r^2] - E[r]^2 in float32 is off by 100x), with a NaN member in a group."""
 
+import pytest
 import torch
 
 from posttrain.grpo.parts.per_prompt_advantage import PerPromptAdvantage
 from posttrain.objectives.advantages import group_advantages
+
+pytestmark = pytest.mark.core
 
 
 def _rewards() -> tuple[torch.Tensor, torch.Tensor]:

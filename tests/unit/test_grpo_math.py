@@ -10,6 +10,8 @@ from rewards.base import CompositeReward, weighted_sum
 from rewards.jpeg import jpeg_size_kb
 from rollout.trajectory import train_timesteps
 
+pytestmark = pytest.mark.core
+
 
 def test_equal_rewards_give_exactly_zero_advantages():
     adv, valid, zero = group_advantages(torch.tensor([0.3, 0.3, 0.3, 0.3]), torch.zeros(4, dtype=torch.long))

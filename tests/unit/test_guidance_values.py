@@ -12,6 +12,8 @@ from rollout.config import RolloutConfig
 from rollout.sampler import Sampler
 from tests.distributed.common import CHANNELS, POOLED_DIM, SIZE, TEXT_DIM, TEXT_LEN, tiny_model
 
+pytestmark = pytest.mark.core
+
 
 class _Identity:
     """A codec whose images are the latents (enough for the sampler)."""

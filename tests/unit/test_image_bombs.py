@@ -15,6 +15,8 @@ from posttrain.dpo.data import load_preference_pairs
 from pretrain.data.folder import load_image_folder
 from rewards.png import decode_png_b64
 
+pytestmark = pytest.mark.core
+
 
 def bomb_png(side: int = 20000) -> bytes:
     """A PNG of a few dozen bytes whose IHDR says ``side`` x ``side`` RGB."""

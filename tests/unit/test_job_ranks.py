@@ -10,6 +10,8 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.job import JobRanks
 from pretrain.runtime.low_precision import LowPrecisionConfig
 
+pytestmark = pytest.mark.core
+
 
 def test_low_precision_with_tensor_parallelism_is_refused_before_converting():
     ranks = JobRanks(SimpleNamespace(tp_size=2, sp_size=1), torch.device("cpu"))

@@ -15,9 +15,13 @@ graph's layer violations and circles (none expected).
 
 from __future__ import annotations
 
+import pytest
+
 import ast
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.core
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "rollout", "rewards", "posttrain")

@@ -10,6 +10,8 @@ import torch
 from rewards.base import build_reward
 from rewards.learned_clip import ClipNet, LearnedClipConfig, contrastive_loss, load_learned_clip, save_learned_clip
 
+pytestmark = pytest.mark.core
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):

@@ -12,6 +12,8 @@ from pretrain.runtime.low_precision import DIT_KEEP, LowPrecisionConfig, convert
 from tests.conftest import ROOT, require_extra
 from tests.distributed.common import flow_loss, tiny_batch, tiny_model
 
+pytestmark = pytest.mark.core
+
 require_extra("torchao", "lowp")
 
 

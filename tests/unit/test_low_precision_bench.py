@@ -1,7 +1,10 @@
 """The GPU benchmark of low-precision steps runs its code path on CPU at tiny size (emulated): every row
 trains (finite, falling losses), counts its converted layers and reports FLOPs that match the formula."""
 
+import pytest
 from tests.conftest import require_extra
+
+pytestmark = pytest.mark.core
 
 require_extra("torchao", "lowp")
 

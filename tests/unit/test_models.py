@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from pretrain.codec import PatchifyCodec
@@ -6,6 +7,8 @@ from pretrain.models import ModelConfig, count_parameters
 from pretrain.models.sd3 import SD3Adapter, build_transformer
 from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig
 from pretrain.codec import CodecConfig
+
+pytestmark = pytest.mark.core
 
 
 def _embeds(b, g):

@@ -6,6 +6,8 @@ import pytest
 from posttrain.grpo.perf import PRESETS, PerfConfig, resolve_perf
 from pretrain.config import ConfigError
 
+pytestmark = pytest.mark.core
+
 
 def test_presets_set_their_options_and_explicit_values_win():
     cpu = resolve_perf(PerfConfig(preset="cpu"), "fp32", False)

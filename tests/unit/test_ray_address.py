@@ -7,6 +7,8 @@ import pytest
 
 from posttrain.grpo.engines.ray_pool import check_reachable
 
+pytestmark = pytest.mark.core
+
 
 def test_an_unreachable_ray_address_is_refused_naming_the_key():
     s = socket.socket()

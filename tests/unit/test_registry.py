@@ -7,6 +7,8 @@ import pytest
 
 from pretrain.registry import Registry, import_path
 
+pytestmark = pytest.mark.core
+
 
 def test_lookup_errors_name_the_key_and_list_the_names():
     reg = Registry("widget", {"b": 2, "a": 1}, key="thing.kind")

@@ -10,6 +10,8 @@ from posttrain.grpo.parts.per_prompt_advantage import PerPromptAdvantage
 from posttrain.base.signal_guard import NoSignalError, SignalGuard
 from rewards.base import weighted_sum
 
+pytestmark = pytest.mark.core
+
 
 def _rounded_035() -> torch.Tensor:
     """Eight float32 rewards that all mean 0.35 but differ in the last bits (as sums computed in

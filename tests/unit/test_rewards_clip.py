@@ -8,6 +8,8 @@ from rewards.aesthetic import AestheticMLP
 from rewards.base import build_reward
 from tests.unit.tiny_reward_models import assert_well_formed, save_tiny_clip, sample_images
 
+pytestmark = pytest.mark.core
+
 PROMPTS = ["a red apple", "rocket", "a cat in a hat"]
 
 

@@ -7,6 +7,8 @@ import torch
 
 from rewards.base import CompositeReward, build_reward
 
+pytestmark = pytest.mark.core
+
 
 def brightness(images, prompts=None, metadata=None):
     return images.float().mean(dim=(1, 2, 3))

@@ -9,6 +9,8 @@ import torch
 from rewards.base import build_reward
 from tests.unit.tiny_reward_models import assert_well_formed, sample_images
 
+pytestmark = pytest.mark.core
+
 PROMPTS = ["a red apple", "rocket", "a cat in a hat"]
 TINY = {"embed_dim": 16,
         "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},

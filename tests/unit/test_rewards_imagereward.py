@@ -13,6 +13,8 @@ from rewards.base import build_reward
 from rewards.imagereward import REWARD_MEAN, REWARD_STD
 from tests.unit.tiny_reward_models import assert_well_formed, bert_tokenizer_dir, sample_images
 
+pytestmark = pytest.mark.core
+
 PROMPTS = ["a red apple", "rocket", "a cat in a hat"]
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
               patch_size=16, layer_norm_eps=1e-6)

@@ -14,6 +14,8 @@ from rewards.base import build_reward
 from rewards.edit_distance import levenshtein
 from rewards.ocr import ocr_target, text_score
 
+pytestmark = pytest.mark.core
+
 
 @pytest.mark.parametrize("prompt,target", [
     ('a neon sign that says "Open Late"', "Open Late"),

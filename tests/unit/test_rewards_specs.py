@@ -11,6 +11,8 @@ from rewards.base import CompositeReward, build_reward, check_reward_weights, kn
 from rewards.jpeg import jpeg_size_kb
 from rewards.specs import RewardSpec
 
+pytestmark = pytest.mark.core
+
 USER_MODULE = '''
 import torch
 

@@ -10,6 +10,8 @@ from pretrain.data.moving_emoji import MOTIONS, make_clip, motion_caption
 from rewards.base import build_reward
 from rewards.motion import named_direction
 
+pytestmark = pytest.mark.core
+
 
 @pytest.fixture(scope="module")
 def apple():

@@ -15,6 +15,8 @@ from rollout.branches import CFGBranches
 from rollout.sampler import log_prob
 from tests.integration.test_grpo import _rollout, _setup
 
+pytestmark = pytest.mark.core
+
 
 def test_weights_are_one_on_fresh_rows_and_truncated_on_stale_ones():
     old = torch.tensor([0.0, 0.5, -0.5, 2.0, 0.3])

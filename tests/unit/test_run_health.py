@@ -12,6 +12,8 @@ from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.runtime import Runtime
 from pretrain.runtime.spikes import SpikeDetector, sigma_buckets
 
+pytestmark = pytest.mark.core
+
 
 def test_a_spike_is_flagged_with_its_z_score_and_joins_the_history():
     det = SpikeDetector(window=10, zscore=6.0, min_history=4)

@@ -6,6 +6,8 @@ import torch
 from pretrain.schedule import sample_training_sigmas, shift_sigmas, sigma_schedule
 from pretrain.seeding import generator_for
 
+pytestmark = pytest.mark.core
+
 
 def test_unshifted_schedule_is_linear_from_one_to_zero():
     s = sigma_schedule(4)

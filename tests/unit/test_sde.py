@@ -7,6 +7,8 @@ from pretrain.flow import euler_step
 from pretrain.schedule import sigma_schedule
 from rollout.sde import gaussian_log_prob, sde_step
 
+pytestmark = pytest.mark.core
+
 
 def test_one_step_by_hand():
     # scalar state: x = 0.5, v = -1, sigma 0.6 -> 0.4, noise_level 0.5, z = 0.3

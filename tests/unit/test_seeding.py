@@ -1,6 +1,9 @@
+import pytest
 import torch
 
 from pretrain.seeding import randn_per_sample, seed_for
+
+pytestmark = pytest.mark.core
 
 
 def test_noise_depends_on_global_index_not_on_batch_layout():

@@ -17,6 +17,8 @@ from pretrain.text_encoder import NoTextEmbeds, PromptEmbeds
 from rewards.base import build_reward
 from rewards.shapes import ShapesReward
 
+pytestmark = pytest.mark.core
+
 NAN = float("nan")
 
 

@@ -11,6 +11,8 @@ from pretrain.data import shapes as g
 from rewards.base import build_reward
 from rewards.shapes import ShapesJudge
 
+pytestmark = pytest.mark.core
+
 FRESH_SEED = 7_000_000  # the data source renders train scenes from seed 0 up, held-out ones from 1e9 up
 N_SCENES = 2000
 

@@ -1,6 +1,7 @@
 """The sweep's report and prepare steps stay true for short budgets and partial selections (no training:
 probe rows are written by hand)."""
 
+import pytest
 import json
 
 import numpy as np
@@ -11,6 +12,8 @@ from posttrain.tools.sweep_report import collect, curve_grid, on_grid, write_rep
 from pretrain.config import load_config
 from pretrain.runtime.metrics import MetricsLogger
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.core
 
 SWEEP = ROOT / "configs/sweep/emoji_algorithms.yaml"
 

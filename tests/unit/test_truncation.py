@@ -18,6 +18,8 @@ from rewards.base import CompositeReward, build_reward
 from pretrain.truncation import TruncationCounter, fractions, hf_token_counts, take_truncation_counts
 from tests.unit.tiny_reward_models import bert_tokenizer_dir, sample_images, save_tiny_clip, tiny_clip_tokenizer
 
+pytestmark = pytest.mark.core
+
 PHRASE = "a watercolor painting of a small red fox sitting in a snowy birch forest at dawn"
 BASE = ", ".join([PHRASE] * 6)  # > 77 tokens for every tokenizer here
 LONG_A, LONG_B = BASE + ", wearing a green scarf", BASE + ", chasing a blue butterfly"
