@@ -51,8 +51,8 @@ def _fsdp_low_precision(rank, world, tmp, recipe, all_gather):
             "float8": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}
 
 
-@pytest.mark.parametrize("recipe,all_gather", [("fp8_rowwise", False),
-                                               pytest.param("fp8_tensorwise", True, marks=pytest.mark.long)])
+@pytest.mark.long  # make test keeps FSDP equality (test_fsdp.py) and FP8 numerics in one process (test_low_precision.py)
+@pytest.mark.parametrize("recipe,all_gather", [("fp8_rowwise", False), ("fp8_tensorwise", True)])
 def test_fsdp_over_fp8_layers_equals_one_process(tmp_path, recipe, all_gather):
     results = run_ranks(_fsdp_low_precision, str(tmp_path), recipe, all_gather, world_size=2)
     ref = tiny_model()  # the same converted model in this (plain) process
