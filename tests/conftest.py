@@ -46,6 +46,20 @@ def _cache_dir(tmp_path_factory):
     return Path(d)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of 4 logical CPUs for one test module (``ray`` extra), shut down after it
+    unless it was already running; module-scoped so that tests outside Ray see no cluster."""
+    import ray
+
+    from posttrain.grpo.engines.ray_pool import start_ray
+
+    started = start_ray(None, 4)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def minilm():
     from pretrain.text_encoder import MiniLMEncoder

@@ -46,6 +46,13 @@ class Policy:
             model.requires_grad_(True)
         self._merged: MergedCopy | None = None
 
+    def lora_modules(self) -> int:
+        """How many modules of the model peft wrapped with a LoRA layer (0 for full fine-tuning): a
+        rollout worker's count must equal its trainer's, and be above zero, for it to sample the adapter."""
+        from peft.tuners.lora import LoraLayer
+
+        return sum(isinstance(m, LoraLayer) for m in self.model.modules()) if self.lora else 0
+
     def shape(self) -> dict:
         """The settings a resumed run must share with its checkpoint (``{dotted config key: value}``):
         the adapter's rank, alpha and targets set what the trained weights mean."""

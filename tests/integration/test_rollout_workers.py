@@ -23,16 +23,6 @@ from tests.conftest import grpo_config  # noqa: E402
 RAY = ("engine.name=ray", "engine.workers=2", "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from posttrain.grpo.engines.ray_pool import start_ray
-
-    started = start_ray(None, 4)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _lora(run_dir):
     from safetensors.torch import load_file
 

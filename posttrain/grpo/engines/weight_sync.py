@@ -34,6 +34,13 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def frozen_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of ``model`` a packet does not carry (``requires_grad`` False: a LoRA policy's
+    base weights), ``{clean name: tensor}`` as stored (not copied; unsharded models only): what a
+    worker keeps from its own load of the export, which no sync may change."""
+    return {clean_name(n): p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+
+
 @dataclass
 class WeightPacket:
     """``version``: iterations trained when the weights were taken; ``kind``: ``lora`` (adapter tensors

@@ -16,10 +16,11 @@ import torch
 
 from posttrain.base.policy import Policy
 from posttrain.grpo.actor import build_rollout_actor
-from posttrain.grpo.engines.weight_sync import WeightGroup, WeightPacket
+from posttrain.grpo.engines.weight_sync import WeightGroup, WeightPacket, checksum, frozen_tensors
 from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, no_grad_model
 from pretrain.data.dataset import build_datasets
 from pretrain.export import load_exported
+from pretrain.text_encoder import PromptEmbeds
 from rollout.records import RolloutRequest, RolloutResult
 from rollout.sampler import Sampler
 
@@ -74,6 +75,24 @@ class RolloutWorker:
         packet.apply(self.policy.model)
         self.version = packet.version
         return self.version
+
+    @torch.no_grad()
+    def probe(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> dict:
+        """A post-sync self-check to compare with the trainer's policy: the velocity of the module this
+        worker samples with (its LoRA-merged copy with ``perf.merge_lora``, else the policy) at the
+        weights it holds, in the rollout's autocast, on ``x`` (float32 ``[B, C, H, W]``, ``[B, C, F, H, W]``
+        for videos), ``sigma`` (float32 ``[B]``) and ``embeds`` (a
+        :class:`pretrain.text_encoder.PromptEmbeds` of B rows). Returns ``{"version": weights held,
+        "velocity": float32 CPU tensor shaped like x, "lora_modules": the policy's LoRA-wrapped modules
+        (:meth:`posttrain.base.policy.Policy.lora_modules`), "base_checksum": checksum of its frozen
+        weights (:func:`posttrain.grpo.engines.weight_sync.frozen_tensors`), "base_dtypes": their dtype
+        names, sorted}``."""
+        model = self.actor.model()
+        with self.actor.precision.autocast():
+            v = model(x.to(self.device), sigma.to(self.device), embeds.to(self.device))
+        frozen = frozen_tensors(self.policy.model)
+        return {"version": self.version, "velocity": v.float().cpu(), "lora_modules": self.policy.lora_modules(),
+                "base_checksum": checksum(frozen), "base_dtypes": sorted({str(t.dtype) for t in frozen.values()})}
 
     def sample(self, request: RolloutRequest, packet: WeightPacket | None = None) -> RolloutResult:
         """Sample ``request`` with the actor (after applying ``packet`` when it is newer than the weights
