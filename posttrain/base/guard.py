@@ -69,8 +69,9 @@ class GuardConfig:
 
         if self.every < 0:
             raise ValueError(f"{prefix}every: must be >= 0 (0 = no guard), got {self.every}")
-        if self.every and launched_world_size() > 1:
-            raise ValueError(f"{prefix}every: the guard runs in one process; set {prefix}every=0 under torchrun")
+        if self.every and self.export == "best" and launched_world_size() > 1:
+            raise ValueError(f"{prefix}export: 'best' keeps one process's unsharded weights; under torchrun use "
+                             f"{prefix}export=final (the guard itself runs on every rank)")
         if self.export not in ("final", "best"):
             raise ValueError(f"{prefix}export: '{self.export}' is not one of final, best")
         if not self.every and (self.stop or self.export == "best"):
@@ -207,6 +208,7 @@ class Guard:
         ``guard/seconds`` (the check's wall time); the grid of the probe's samples). Sets ``stopped`` (a
         one-line reason) when the run must stop."""
         t0 = time.perf_counter()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         fns = dict(self.fns)
         if self.trained is not None:
             fns["trained"] = lambda images, prompts, metadata=None: self.trained(images, prompts)[0]
@@ -215,7 +217,8 @@ class Guard:
         if self.cfg.loss:
             values[LOSS] = loss
         trained = prompt_mean(scores["trained"]) if "trained" in scores else float("nan")
-        diversity = sum(self.diversity) / len(self.diversity) if self.diversity else float("nan")
+        diversity = _mean_over_ranks(self.diversity) if distributed else (
+            sum(self.diversity) / len(self.diversity) if self.diversity else float("nan"))
         self.diversity = []
         reasons = []
         if self.baseline is None:
@@ -225,17 +228,34 @@ class Guard:
         self.streak = self.streak + 1 if reasons else 0
         if not reasons and (self.best is None or not trained <= self.best["trained"]):  # NaN trained: latest wins
             self.best = {"step": step, "trained": trained, **values}
-            self._save_best(model, self.best)
+            if not distributed:  # under torchrun export: best is refused at config load; rank 0 keeps best.json
+                self._save_best(model, self.best)
+            elif torch.distributed.get_rank() == 0:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                (self.folder / "best.json").write_text(json.dumps(self.best, indent=1) + "\n")
         if reasons and self.cfg.stop and self.streak >= self.cfg.checks:
             self.stopped = (f"guard stopped the run at step {step} after {self.streak} failing check(s) in a row: "
                             + "; ".join(reasons) + f"; best check: step {self.best['step']}")
-        grid = save_grid(images[:len(prompts)], prompts, self.stage.run / "samples" / f"guard_step_{step:05d}.png")
+        if distributed:  # every rank probed the same prompts and seeds; rank 0's decision is everyone's
+            values, trained, reasons = self._agree(values, trained, reasons)
+        grid = self.stage.run / "samples" / f"guard_step_{step:05d}.png"
+        if not distributed or torch.distributed.get_rank() == 0:
+            grid = save_grid(images[:len(prompts)], prompts, grid)
         metrics = {f"guard/{k}": v for k, v in values.items()}
         metrics.update(self.per_category(scores, prompts))
         metrics.update({"guard/trained": trained, "guard/diversity": diversity, "guard/failing": len(reasons),
                         "guard/streak": self.streak, "guard/best_step": self.best["step"],
                         "guard/seconds": time.perf_counter() - t0})
         return metrics, grid
+
+    def _agree(self, values: dict, trained: float, reasons: list[str]) -> tuple[dict, float, list[str]]:
+        """Under torchrun: rank 0's check (values, trained reward, reasons) and state (baseline, streak,
+        best, stopped) on every rank, so every rank logs and decides the same (a stop all ranks take)."""
+        box = [(values, trained, reasons, self.state_dict())]
+        torch.distributed.broadcast_object_list(box, src=0)
+        values, trained, reasons, state = box[0]
+        self.load_state_dict(state)
+        return values, trained, reasons
 
     def per_category(self, scores: dict, prompts: list[str]) -> dict[str, float]:
         """``guard/<name>/<category>``: the mean over that category's prompts, for each guard reward
@@ -298,6 +318,13 @@ class Guard:
         saved = json.loads(state["json"])
         self.baseline, self.streak, self.best = saved["baseline"], saved["streak"], saved["best"]
         self.diversity, self.stopped = saved["diversity"], saved["stopped"]
+
+
+def _mean_over_ranks(local: list[float]) -> float:
+    """The mean of every rank's recorded values (a collective; NaN when no rank recorded one)."""
+    t = torch.tensor([sum(local), float(len(local))], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
 
 def describe(metrics: dict) -> str:

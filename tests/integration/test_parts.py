@@ -220,8 +220,8 @@ def test_a_capability_the_engines_lack_is_refused_at_config_load(weighted_fm, ti
     assert _cli(tmp_path, tiny_export, *ODE, "grpo.loss.name=test_weighted_fm") == 2
     assert re.search(r"grpo\.loss\.name: 'test_weighted_fm' trains with the update engine 'forward', which runs "
                      r"in one process", capsys.readouterr().err)
-    assert _cli(tmp_path, tiny_export, "guard.every=1") == 2
-    assert "guard.every: the guard runs in one process" in capsys.readouterr().err
+    assert _cli(tmp_path, tiny_export, "guard.every=1", "guard.export=best") == 2
+    assert "guard.export: 'best' keeps one process's unsharded weights" in capsys.readouterr().err
 
 
 def test_the_cli_exits_2_naming_the_key_for_a_loss_that_needs_log_probs_on_ode(tiny_export, tmp_path):
