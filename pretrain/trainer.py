@@ -137,13 +137,13 @@ def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, 
 class PretrainRun:
     """One pretraining run, set up from ``cfg`` (data, encoder, codec, seeded model, runtime, resume): a
     stage of :mod:`pretrain.runtime.loop`; a step is one optimizer step. Under ``torchrun`` one job over
-    the ranks (FSDP2; rank 0 logs and writes grids and the export); raises ``ConfigError`` for EMA on
-    several ranks or a ``train.batch_size`` the data-parallel degree does not divide."""
+    the ranks (FSDP2; rank 0 logs and writes grids and the export); raises ``ConfigError`` for a
+    ``train.batch_size`` the data-parallel degree does not divide."""
 
     def __init__(self, cfg: PretrainConfig):
         self.cfg = cfg
         self.ranks = ranks = JobRanks.start_batch_job(  # a no-op in one process
-            cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
+            cfg.parallel, cfg.train.batch_size,
             "the global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
         self.device = device = ranks.device if ranks.distributed else resolve_device(cfg.train.device)
         configure_host(cfg.train, device)
@@ -201,15 +201,16 @@ class PretrainRun:
     def evaluate(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """The held-out loss every ``eval.every`` steps and a grid every ``eval.grid_every`` steps (and at the end)."""
         e, out, media = self.cfg.eval, {}, []
-        sampling = self.rt.sampling_model().eval()
-        if e.every and (step % e.every == 0 or last):
-            out["heldout_loss"] = self.heldout(sampling)
-        if e.grid_every and (step % e.grid_every == 0 or last):
-            grid = self.ranks.write_on_main(lambda root: write_grid(
-                sampling, self.codec, self.held, self.null, num_prompts=e.grid_prompts, seed=self.cfg.train.seed,
-                num_inference_steps=e.num_inference_steps, guidance_scale=e.guidance_scale, shift=e.shift,
-                device=self.device, path=root / "samples" / f"heldout_step_{step:06d}.png"), self.run)
-            media.append(grid)
+        with self.rt.sampling_model() as sampling:
+            sampling.eval()
+            if e.every and (step % e.every == 0 or last):
+                out["heldout_loss"] = self.heldout(sampling)
+            if e.grid_every and (step % e.grid_every == 0 or last):
+                grid = self.ranks.write_on_main(lambda root: write_grid(
+                    sampling, self.codec, self.held, self.null, num_prompts=e.grid_prompts, seed=self.cfg.train.seed,
+                    num_inference_steps=e.num_inference_steps, guidance_scale=e.guidance_scale, shift=e.shift,
+                    device=self.device, path=root / "samples" / f"heldout_step_{step:06d}.png"), self.run)
+                media.append(grid)
         return out, media
 
     def save(self) -> Path | None:
@@ -217,12 +218,12 @@ class PretrainRun:
 
     def finish(self) -> Path:
         cfg, run = self.cfg, self.run
-        sampling = self.rt.sampling_model().eval()
         sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps,
                          "guidance_scale": cfg.eval.guidance_scale, "shift": cfg.eval.shift}
-        out = self.ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", ExportMeta(
-            cfg.text_encoder, cfg.codec, cfg.data.size, sampling_meta, cfg.model.arch, asdict(cfg.data),
-            m.export_settings(), cfg.flow.objective)), sampling, run / "export")
+        with self.rt.sampling_model() as sampling:
+            out = self.ranks.export_on_main(lambda m: export_model(m.transformer, run / "export", ExportMeta(
+                cfg.text_encoder, cfg.codec, cfg.data.size, sampling_meta, cfg.model.arch, asdict(cfg.data),
+                m.export_settings(), cfg.flow.objective)), sampling.eval(), run / "export")
         self.logger.write(f"exported {out}")
         self.logger.close()
         return out

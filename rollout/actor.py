@@ -12,7 +12,7 @@ with, and whether to keep the unconditional CFG velocities, are decided by whoev
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -27,8 +27,9 @@ from rollout.trajectory import SamplingSettings, Trajectory
 class RolloutActor:
     """Everything sampling needs, keyword-only:
 
-    - ``model``: called once per :meth:`sample` / :meth:`rollout`, returns the module to sample with,
-      in eval mode (a :class:`pretrain.backbone.Backbone`: the policy, its LoRA-merged copy, ...);
+    - ``model``: called once per :meth:`sample` / :meth:`rollout`, returns a context manager whose
+      ``with`` gives the module to sample with, in eval mode (a :class:`pretrain.backbone.Backbone`: the
+      policy, its LoRA-merged copy, the policy with other weights swapped in until the block ends, ...);
     - ``codec``: latents -> images float32 ``[B, 3, H, W]`` in [0, 1] (``[B, F, 3, H, W]`` for video);
     - ``sampler``: the :class:`rollout.sampler.Sampler` of the ``rollout:`` block;
     - ``prompts``: the training prompt set (:class:`pretrain.data.dataset.EncodedSet`), indexed by
@@ -42,7 +43,7 @@ class RolloutActor:
 
     ``decode_seconds``: seconds the last call spent decoding latents to images."""
 
-    def __init__(self, *, model: Callable[[], torch.nn.Module], codec, sampler: Sampler, prompts: EncodedSet,
+    def __init__(self, *, model: Callable[[], ContextManager[torch.nn.Module]], codec, sampler: Sampler, prompts: EncodedSet,
                  latent_shape: tuple[int, ...], seed: int, precision: Precision, record_uncond: bool,
                  device: torch.device):
         self.model, self.codec, self.sampler, self.prompts = model, codec, sampler, prompts
@@ -62,10 +63,9 @@ class RolloutActor:
         worker index and the seconds taken."""
         t0 = time.perf_counter()
         codec = TimedCodec(self.codec)
-        model = self.model()
         _, embeds, captions = self.prompts.batch(list(request.prompt_ids))
         cfg = self.sampler.cfg
-        with self.precision.autocast():
+        with self.model() as model, self.precision.autocast():
             traj = self.sampler.sample(model, codec, embeds, captions, group_ids=torch.as_tensor(request.group_ids),
                                        sample_ids=list(request.sample_ids), latent_shape=self.latent_shape,
                                        seed=self.seed, iteration=request.iteration, device=self.device,
@@ -84,8 +84,7 @@ class RolloutActor:
         with each batch as soon as it is decoded. Tensors stay on ``device``. Raises ``ValueError`` when
         shared initial noise is on and ``sample_offset`` is not on a group boundary."""
         codec = TimedCodec(self.codec)
-        model = self.model()
-        with self.precision.autocast():
+        with self.model() as model, self.precision.autocast():
             traj = self.sampler.rollout(model, codec, self.prompts, prompt_idx, latent_shape=self.latent_shape,
                                         seed=self.seed, iteration=iteration, device=self.device,
                                         sample_offset=sample_offset, on_batch=on_batch,

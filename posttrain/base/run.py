@@ -58,7 +58,8 @@ class PolicyRun:
     def start_guard(self) -> None:
         """The guard's step-0 baseline (a no-op when it is off)."""
         if self.guard is not None:
-            self.guard.start(self.rt.sampling_model(), self.logger)
+            with self.rt.sampling_model() as model:
+                self.guard.start(model, self.logger)
 
     def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """The stage's own held-out metrics and grids due at ``step`` (none by default)."""
@@ -68,7 +69,8 @@ class PolicyRun:
         """:meth:`held_out`, then the guard's check every ``guard.every`` steps (its metrics and grids)."""
         metrics, media = self.held_out(step, last)
         if self.guard is not None:
-            checked, grids = self.guard.at_step(self.rt.sampling_model(), step, self.logger)
+            with self.rt.sampling_model() as model:
+                checked, grids = self.guard.at_step(model, step, self.logger)
             metrics.update(checked)
             media += grids
         return metrics, media
@@ -88,12 +90,13 @@ class PolicyRun:
         """The guard's final check, the final held-out grid, ``lora/`` and the merged ``export/``; returns
         the export folder."""
         self.close()
-        final = self.rt.sampling_model().eval()
-        if self.guard is not None:
-            self.guard.finish(final, self.logger)
-        grid = self.grid(final, self.step)
-        self.logger.write(f"grid: {grid}")
-        out = self.ranks.export(self.st, final)
+        with self.rt.sampling_model() as final:  # the EMA's weights, when the run keeps one
+            final.eval()
+            if self.guard is not None:
+                self.guard.finish(final, self.logger)
+            grid = self.grid(final, self.step)
+            self.logger.write(f"grid: {grid}")
+            out = self.ranks.export(self.st, final)
         self.logger.write(f"exported {out}")
         self.logger.log_media(self.step, grid)
         self.logger.close()

@@ -129,7 +129,7 @@ class DPORun(PolicyRun):
     def __init__(self, cfg: DPOConfig):
         self.cfg = cfg
         self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
-            cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
+            cfg.parallel, cfg.train.batch_size,
             "pairs per global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
         # the source first: a reward server that does not answer fails the run before any model loads
         self.source = source = PAIR_SOURCES.get(cfg.source)(cfg)

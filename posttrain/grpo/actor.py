@@ -4,7 +4,8 @@ shape, seed and uncond-recording rule."""
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, ContextManager
 
 import torch
 
@@ -30,22 +31,23 @@ def record_uncond(cfg, perf: PerfConfig) -> bool:
             and rollout_precision(cfg) == cfg.train.precision)
 
 
-def build_rollout_actor(cfg, perf: PerfConfig, *, policy, sampling_model: Callable[[], torch.nn.Module],
+def build_rollout_actor(cfg, perf: PerfConfig, *, policy, sampling_model: Callable[[], ContextManager[torch.nn.Module]],
                         sampler: Sampler, codec, prompts: EncodedSet, image_size: int, device: torch.device,
                         keep_uncond: bool = True) -> RolloutActor:
     """The rollout actor of the run ``cfg`` (a :class:`posttrain.grpo.stage.GRPOConfig`, ``perf``
     resolved) over ``policy`` (a :class:`posttrain.base.policy.Policy`, put in eval mode with each call):
-    ``sampling_model()`` gives the module to sample with (the update's choice in the trainer, the
-    policy or its merged copy at the held weights in a worker); ``sampler``, ``codec`` and ``prompts``
+    ``sampling_model()`` gives a context manager whose ``with`` gives the module to sample with (the
+    update's choice in the trainer, the policy or its merged copy at the held weights in a worker); ``sampler``, ``codec`` and ``prompts``
     (the training prompt set) as built from the export; ``image_size`` the export's square size in
     pixels (the latent shape follows from the codec). ``keep_uncond`` False never keeps the
     unconditional velocities, else :func:`record_uncond` decides. Raises ``ValueError`` for an unknown
     precision."""
 
-    def model() -> torch.nn.Module:
-        chosen = sampling_model().eval()
-        policy.model.eval()
-        return chosen
+    @contextmanager
+    def model():
+        with sampling_model() as chosen:
+            policy.model.eval()
+            yield chosen.eval()
 
     return RolloutActor(model=model, codec=codec, sampler=sampler, prompts=prompts,
                         latent_shape=codec.latent_shape(image_size, image_size), seed=cfg.train.seed,

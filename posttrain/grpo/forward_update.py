@@ -13,13 +13,15 @@ branch only, as the methods train) and one backward of loss / K. Mini-batches ar
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, ContextManager
 
 import torch
 
 from posttrain.grpo.old_policy import OldPolicy
 from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model
+from posttrain.grpo.ranks import global_count_weight
 from pretrain.flow import interpolate
 from pretrain.runtime.accumulate import Accumulation
 from pretrain.seeding import generator_for
@@ -140,11 +142,14 @@ class ForwardProcessUpdate:
     :class:`ForwardDraw` options; its ``old_decay`` (:class:`posttrain.grpo.old_policy.OldDecay`), when
     set, keeps an old copy). Same call as :class:`posttrain.grpo.update.GRPOUpdate`. The ``"forward"``
     update engine: it provides whole-group mini-batches and an old copy to train against or sample
-    with (``supports``); one process only (``distributed`` false: ``torchrun`` is refused when the
-    config loads)."""
+    with (``supports``), under ``torchrun`` too (``distributed``): each data-parallel rank trains its
+    share of the prompt groups (whole groups, as the rollout shares them), the draws are keyed by
+    global sample index, and the loss is rescaled so that FSDP2's average over ranks is the mean over
+    all ranks' valid samples (:func:`posttrain.grpo.ranks.global_count_weight`; over groups for a loss
+    with ``needs_groups``)."""
 
     supports: ClassVar[frozenset[str]] = frozenset({"needs_groups", "keeps_old", "rollout_with_old"})
-    distributed: ClassVar[bool] = False
+    distributed: ClassVar[bool] = True
 
     def __init__(self, cfg, perf: PerfConfig | None, parts, policy):
         self.cfg, self.perf, self.parts = cfg, apply_preset(perf or PerfConfig(merge_lora=False)), parts
@@ -155,12 +160,13 @@ class ForwardProcessUpdate:
         """State to checkpoint: the old copy's weights."""
         return {} if self.old is None else {"grpo.old_policy": self.old}
 
-    def rollout_model(self, policy, version: int) -> torch.nn.Module:
-        """The module to sample rollouts with: the old copy when the loss samples with it, else the
-        policy (its LoRA-merged copy with ``perf.merge_lora``)."""
+    def rollout_model(self, policy, version: int) -> ContextManager[torch.nn.Module]:
+        """``with update.rollout_model(policy, version) as model:`` the module to sample rollouts with:
+        the policy with the old weights swapped in when the loss samples with them, else the policy
+        (its LoRA-merged copy with ``perf.merge_lora``)."""
         if self.old is not None and self.parts.loss.rollout_with_old:
-            return self.old.model
-        return no_grad_model(self.perf, policy, version)
+            return self.old.running(policy.model)
+        return nullcontext(no_grad_model(self.perf, policy, version))
 
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
                  transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:
@@ -177,6 +183,8 @@ class ForwardProcessUpdate:
             for idx in batches:
                 dev = idx.to(x0_all.device)
                 x0, embeds = x0_all[dev], traj.embeds[dev]
+                counted = mask[idx] if not loss_fn.needs_groups else torch.ones_like(mask[idx])
+                weight = global_count_weight(counted, dp_group)
                 stats: dict[str, float] = {}
                 for j in range(draw.timesteps_per_sample):
                     sigma, noise = sig_all[dev, j], noise_all[dev, j]
@@ -184,23 +192,26 @@ class ForwardProcessUpdate:
                         batch = self._batch(policy, x0, noise, sigma, embeds, advantages[idx], mask[idx],
                                             traj.group_ids[idx])
                         loss, s = loss_fn(batch)
-                    acc.backward(loss / draw.timesteps_per_sample, loss.item() / draw.timesteps_per_sample)
+                    acc.backward(loss / draw.timesteps_per_sample * weight, loss.item() / draw.timesteps_per_sample)
                     for key, v in s.items():
                         stats[key] = stats.get(key, 0.0) + v / draw.timesteps_per_sample
                 stats.update(acc.end_micro_batch())
                 out.append(stats)
         if self.old is not None:
-            out[-1]["old_decay"] = self.old.update(policy.model, iteration + 1)
+            out[-1]["old_decay"] = self.old.update(iteration + 1)
         return out
 
     def _batch(self, policy, x0, noise, sigma, embeds: PromptEmbeds, advantages, mask, group_ids) -> ForwardBatch:
         x_t = interpolate(x0, noise, sigma)
+        v_old = None
+        if self.old is not None:  # before the policy's forward: the swap writes the weights autograd saves
+            with self.old.running(policy.model) as model:
+                v_old = model(x_t, sigma, embeds)
 
-        @torch.no_grad()
         def old() -> torch.Tensor:
-            if self.old is None:
+            if v_old is None:
                 raise ValueError("grpo.loss: this loss reads the old policy but keeps none (old_decay is None)")
-            return self.old.model(x_t, sigma, embeds)
+            return v_old
 
         @torch.no_grad()
         def ref() -> torch.Tensor:

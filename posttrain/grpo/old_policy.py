@@ -1,4 +1,5 @@
-"""The "old" policy of the forward-process methods: a copy of the policy that trails it by an EMA.
+"""The "old" policy of the forward-process methods: a copy of the policy's trainable weights that trails
+them by an EMA.
 
 DiffusionNFT samples its rollouts with it and mixes its velocity into the implicit positive and
 negative policies; AWM keeps one as a second KL anchor. After each iteration's update,
@@ -9,10 +10,12 @@ NVlabs/DiffusionNFT's ``return_decay``; its defaults: start 0, rate 0.001, max 0
 
 from __future__ import annotations
 
-import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from pretrain.runtime.shadow import ShadowWeights, local_data
 
 
 @dataclass
@@ -31,32 +34,39 @@ class OldDecay:
         return 0.0 if iterations < self.start else min((iterations - self.start) * self.rate, self.max)
 
 
-class OldPolicy:
-    """A frozen deep copy of ``policy.model`` (LoRA adapters included) whose trainable weights follow the
-    policy's by :class:`OldDecay`. Checkpointed (``state_dict``) with the run, so a resume continues
-    with the same old weights."""
+class OldPolicy(ShadowWeights):
+    """The old policy: a copy of ``model``'s trainable weights (:class:`pretrain.runtime.shadow.ShadowWeights`:
+    with LoRA, the adapter's size, not a model copy; under FSDP2 this rank's shards) that follows the
+    policy's by :class:`OldDecay`. It runs as the policy's model with the copy swapped in
+    (:meth:`swapped`: the frozen base is shared). Checkpointed (``state_dict``: each rank's local
+    tensors) with the run, so a resume continues with the same old weights."""
 
     def __init__(self, model: torch.nn.Module, decay: OldDecay):
+        super().__init__(model)
         self.decay = decay
-        self.model = copy.deepcopy(model).requires_grad_(False).eval()
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        own = dict(self.model.named_parameters())
-        self.params = [own[n] for n in self.names]
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module, iterations: int) -> float:
-        """old <- d old + (1 - d) policy for the trainable weights of ``model``, d = decay(``iterations``
-        completed); returns d."""
+    def update(self, iterations: int) -> float:
+        """old <- d old + (1 - d) policy for the trainable weights, d = decay(``iterations`` completed);
+        returns d."""
         d = self.decay(iterations)
-        live = dict(model.named_parameters())
-        for name, old in zip(self.names, self.params):
-            old.lerp_(live[name].detach().to(old.dtype), 1.0 - d)
+        for name, old in self.shadow.items():
+            old.lerp_(local_data(self.params[name]).to(old.dtype), 1.0 - d)
         return d
 
-    def state_dict(self) -> dict:
-        return {n: p.detach() for n, p in zip(self.names, self.params)}
+    @contextmanager
+    def running(self, model: torch.nn.Module):
+        """``with old.running(model) as m:`` ``model`` (the policy's) with the old weights, in eval mode
+        and without gradient; the policy's weights and mode come back on exit."""
+        was_training = model.training
+        with self.swapped(), torch.no_grad():
+            try:
+                yield model.eval()
+            finally:
+                model.train(was_training)
 
-    @torch.no_grad()
+    def state_dict(self) -> dict:
+        return dict(self.shadow)
+
     def load_state_dict(self, state: dict) -> None:
-        for n, p in zip(self.names, self.params):
-            p.copy_(state[n])
+        self.load_tensors(state)

@@ -43,10 +43,9 @@ class RankLayout(StageRanks):
                 f"over the policy: perf.merge_lora off")
 
     # -- setup -----------------------------------------------------------------------------------
-    def check(self, prompts_per_step: int, batch_size: int, ema_decay: float) -> None:
+    def check(self, prompts_per_step: int, batch_size: int) -> None:
         """``ConfigError`` naming the key unless the data-parallel degree divides the prompts per step
-        and the training mini-batch, or when EMA (``train.ema_decay`` > 0) is asked for on several ranks."""
-        self.refuse_ema(ema_decay)
+        and the training mini-batch."""
         self.require_divisible("rollout.prompts_per_step", prompts_per_step,
                                "whole prompt groups are spread over ranks")
         self.require_divisible("train.batch_size", batch_size,
@@ -109,3 +108,18 @@ def equal_chunks(transitions: list[int], per: int) -> list[tuple[list[int], bool
         raise ValueError(f"a rank has no transition to train while another has {most} chunk(s): the selection "
                          f"must give every rank at least one")
     return chunks + [(chunks[-1][0], False)] * (most - len(chunks))
+
+
+def global_count_weight(mask: torch.Tensor, dp_group) -> float:
+    """dp x (valid samples here) / (valid samples over the group), 1 without a group or when no rank
+    has a valid sample (then every loss is 0 anyway)."""
+    if dp_group is None:
+        return 1.0
+    import torch.distributed as dist
+
+    count = mask.float().sum().reshape(1)
+    total = count.clone()
+    dist.all_reduce(total, group=dp_group)
+    if float(total) == 0.0:
+        return 1.0
+    return dist.get_world_size(dp_group) * float(count) / float(total)

@@ -167,7 +167,7 @@ class GRPORun(PolicyRun):
         self.cfg = cfg
         self.ranks = ranks = RankLayout.start_job(  # a no-op in one process
             cfg.parallel, Path(cfg.run_dir) / "flight_recorder")
-        ranks.check(cfg.rollout.prompts_per_step, cfg.train.batch_size, cfg.train.ema_decay)
+        ranks.check(cfg.rollout.prompts_per_step, cfg.train.batch_size)
         self.perf = resolve_perf(cfg.perf, cfg.train.precision, ranks.distributed, cfg.policy.lora_rank > 0,
                                  cfg.parallel.untested_compile() if ranks.distributed else None)
         self.rewards = CompositeReward(cfg.rewards)  # first: a reward server that does not answer fails fast
@@ -211,9 +211,10 @@ class GRPORun(PolicyRun):
         self.logger.write(ranks.describe())
         self.start_guard()
 
-    def sampling_model(self) -> torch.nn.Module:
-        """The module the rollout samples with (the update's choice: the policy, its LoRA-merged copy
-        with ``perf.merge_lora``, or the old copy of a forward-process loss that samples with it)."""
+    def sampling_model(self):
+        """``with run.sampling_model() as model:`` the module the rollout samples with (the update's
+        choice: the policy, its LoRA-merged copy with ``perf.merge_lora``, or the policy with the old
+        weights of a forward-process loss that samples with them)."""
         return self.update.rollout_model(self.st.policy, self.rt.step)
 
     def train_step(self) -> dict:
@@ -260,7 +261,8 @@ class GRPORun(PolicyRun):
     def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`)."""
         if self.cfg.eval.every and step % self.cfg.eval.every == 0:
-            return {}, [self.grid(self.rt.sampling_model().eval(), step)]
+            with self.rt.sampling_model() as model:
+                return {}, [self.grid(model.eval(), step)]
         return {}, []
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:

@@ -5,14 +5,15 @@ trajectory recorded; this module only decides how the CFG branches are computed 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ContextManager
 
 import torch
 
 from posttrain.grpo.parts.base import UPDATES, LossPart
 from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model, records_uncond
-from posttrain.grpo.ranks import equal_chunks
+from posttrain.grpo.ranks import equal_chunks, global_count_weight
 from posttrain.objectives.rollout_correction import CorrectionConfig, correction_weights
 from pretrain.runtime.accumulate import Accumulation
 from pretrain.seeding import generator_for
@@ -164,10 +165,11 @@ class GRPOUpdate:
         """State to checkpoint beyond the parts' own: none."""
         return {}
 
-    def rollout_model(self, policy, version: int) -> torch.nn.Module:
-        """The module to sample rollouts with: the policy, or its LoRA-merged copy (``perf.merge_lora``)
-        refreshed at ``version`` (the optimizer step)."""
-        return no_grad_model(self.perf, policy, version)
+    def rollout_model(self, policy, version: int) -> ContextManager[torch.nn.Module]:
+        """``with update.rollout_model(policy, version) as model:`` the module to sample rollouts with:
+        the policy, or its LoRA-merged copy (``perf.merge_lora``) refreshed at ``version`` (the
+        optimizer step)."""
+        return nullcontext(no_grad_model(self.perf, policy, version))
 
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
                  transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:
@@ -196,7 +198,7 @@ class GRPOUpdate:
                 branches = CFGBranches(policy.model, self.cfg.detach_uncond,
                                        policy.inference_model(runtime.step) if perf.merge_lora else None,
                                        perf.uncond_in_batch, reuse)
-                weight = _global_count_weight(mask[idx], dp_group)
+                weight = global_count_weight(mask[idx], dp_group)
                 per = perf.transitions_per_forward or len(transitions)
                 for chunk, real in equal_chunks(transitions, per):  # padded: as many forwards on every rank
                     share = len(chunk) / len(transitions) if real else 0.0
@@ -243,18 +245,3 @@ class GRPOUpdate:
                 for j, t in enumerate(chunk if real else []):
                     old[rows, t] = lp[j].to(old.device)
         traj.old_log_probs = old
-
-
-def _global_count_weight(mask: torch.Tensor, dp_group) -> float:
-    """dp x (valid samples here) / (valid samples over the group), 1 without a group or when no rank
-    has a valid sample (then every loss is 0 anyway)."""
-    if dp_group is None:
-        return 1.0
-    import torch.distributed as dist
-
-    count = mask.float().sum().reshape(1)
-    total = count.clone()
-    dist.all_reduce(total, group=dp_group)
-    if float(total) == 0.0:
-        return 1.0
-    return dist.get_world_size(dp_group) * float(count) / float(total)

@@ -105,12 +105,11 @@ class MidtrainRun(PolicyRun):
     :mod:`pretrain.runtime.loop`; :meth:`train_step` is one optimizer step of the pretraining objective.
     ``cfg.flow`` is resolved at start (:func:`resolve_flow`). Raises ``ConfigError`` for a
     ``model.pretrained`` that is not an export, a ``flow.objective`` that is not the export's or needs
-    training timesteps the model lacks, EMA on several ranks or a ``train.batch_size`` the data-parallel
-    degree does not divide."""
+    training timesteps the model lacks, or a ``train.batch_size`` the data-parallel degree does not divide."""
 
     def __init__(self, cfg: MidtrainConfig):
         self.ranks = ranks = StageRanks.start_batch_job(  # a no-op in one process
-            cfg.parallel, cfg.train.ema_decay, cfg.train.batch_size,
+            cfg.parallel, cfg.train.batch_size,
             "the global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
         self.st = st = PolicyStage.setup(cfg, "midtrain")
         st.policy.frozen_reference = None  # no reference term: full fine-tuning keeps no frozen copy
@@ -168,11 +167,12 @@ class MidtrainRun(PolicyRun):
     def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """Every ``eval.every`` steps and at the last: ``heldout_loss`` and (but at the last, whose grid
         :meth:`finish` writes) a held-out grid."""
-        e, model, out, media = self.cfg.eval, self.rt.sampling_model(), {}, []
+        e, out, media = self.cfg.eval, {}, []
         if last or (e.every and step % e.every == 0):
-            out["heldout_loss"] = self.heldout(model)
-            if not last:
-                media.append(self.grid(model, step))
+            with self.rt.sampling_model() as model:
+                out["heldout_loss"] = self.heldout(model)
+                if not last:
+                    media.append(self.grid(model, step))
         return out, media
 
     def grid(self, model: torch.nn.Module, step: int) -> Path:

@@ -45,8 +45,9 @@ def run_one(cfg: SweepConfig, task: str, arm: str, seed: int, rewards: ProbeRewa
 
     def record(elapsed: float, seen: int) -> None:
         t0 = time.perf_counter()
-        row = {"iteration": stage.step, "train_s": elapsed, "samples": seen,
-               **probe(stage.rt.sampling_model(), stage.st, cfg.probe, rewards)}
+        with stage.rt.sampling_model() as model:
+            row = {"iteration": stage.step, "train_s": elapsed, "samples": seen,
+                   **probe(model, stage.st, cfg.probe, rewards)}
         rows.append(row)
         write_rows(rows_path, rows)
         if stage.step:

@@ -53,13 +53,11 @@ class JobRanks:
         return cls(parallel.dims().build_mesh(device.type) if sharded else None, device, **fields)
 
     @classmethod
-    def start_batch_job(cls, parallel: ParallelConfig, ema_decay: float, batch_size: int, why: str,
+    def start_batch_job(cls, parallel: ParallelConfig, batch_size: int, why: str,
                         dump_dir: str | Path | None = None):
         """:meth:`start_job`, then the checks of a trainer whose global micro-batch ``train.batch_size``
-        is split over the data-parallel ranks (``why``: what one rank trains): :meth:`refuse_ema` and
-        :meth:`require_divisible` (``ConfigError`` naming the key)."""
+        is split over the data-parallel ranks (``why``: what one rank trains): :meth:`require_divisible` (``ConfigError`` naming the key)."""
         ranks = cls.start_job(parallel, dump_dir)
-        ranks.refuse_ema(ema_decay)
         ranks.require_divisible("train.batch_size", batch_size, why)
         return ranks
 
@@ -90,13 +88,6 @@ class JobRanks:
         return f"world {dist.get_world_size()} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x sp {d.sp}{extra}"
 
     # -- config checks ---------------------------------------------------------------------------
-    def refuse_ema(self, ema_decay: float) -> None:
-        """``ConfigError`` when EMA (``train.ema_decay`` > 0) is asked for on more than one rank: the EMA
-        copy (``AveragedModel``) deep-copies the model, which an FSDP2-sharded model does not support."""
-        if self.mesh and ema_decay > 0:
-            raise ConfigError(f"train.ema_decay={ema_decay}: EMA of an FSDP2-sharded model is not supported "
-                              f"(AveragedModel deep-copies the model); use train.ema_decay=0 with more than one rank")
-
     def require_divisible(self, key: str, value: int, why: str) -> None:
         """``ConfigError`` naming ``key`` unless the data-parallel degree divides ``value``."""
         if value % self.dp_size:

@@ -3,6 +3,7 @@ CPU ranks joined by gloo for tests and benchmarks (``run_ranks``)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -11,6 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+#: what the fork server of :func:`run_ranks` imports once, before it forks the ranks
+PRELOAD = ["torch", "torch.distributed", "diffusers", "diffusers.models", "peft", "transformers", "pretrain.trainer",
+           "posttrain.grpo.stage"]
 
 
 def _launcher_processes(pid: int) -> int | None:
@@ -109,7 +114,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args: tuple, env: dict) -> None:
+    os.environ.clear()  # the caller's environment at the launch, not the fork server's at its start
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -125,19 +132,16 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args: tuple)
 
 
 def run_ranks(fn, *args, world_size: int = 2) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local CPU processes joined by gloo
-    (``torch.multiprocessing.spawn``, a free localhost port, one thread each: ``OMP_NUM_THREADS=1``) and
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local CPU processes joined by gloo (a free
+    localhost port, one thread each: ``OMP_NUM_THREADS=1``, the caller's environment otherwise) and
     return every rank's return value (anything ``torch.save`` writes) in rank order, so a test asserts in
-    the parent. ``fn`` must be importable (module level) and ``args`` picklable. An exception in a rank
-    is re-raised here with that rank's traceback."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            mp.spawn(_entry, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=True)
-            return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    the parent. The processes are forked from a ``multiprocessing`` fork server that imported torch,
+    diffusers and peft once (:data:`PRELOAD`), so a launch does not pay their import in every rank.
+    ``fn`` must be importable (module level) and ``args`` picklable. An exception in a rank is re-raised
+    here with that rank's traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_entry, args=(world_size, free_port(), out, fn, args, env), nprocs=world_size, join=True,
+                           start_method="forkserver")
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

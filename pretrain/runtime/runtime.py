@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -159,7 +160,7 @@ class Runtime:
                 opt.step()
             after_optimizer_step(self.fp8_all_gather)
             if self.ema is not None:
-                self.ema.update_parameters(self.model)
+                self.ema.update()
         opt.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step = step
@@ -216,9 +217,20 @@ class Runtime:
         return (f"--resume continues from {latest}, the newest checkpoint (written from finite weights and "
                 f"optimizer state, and checked again on resume)")
 
-    def sampling_model(self) -> torch.nn.Module:
-        """The weights to sample and export with: EMA when enabled, else the trained model."""
-        return self.ema.module if self.ema is not None else self.model
+    @contextmanager
+    def sampling_model(self):
+        """``with runtime.sampling_model() as model:`` the model with the weights to sample and export
+        with: the EMA's swapped in when ``train.ema_decay`` > 0 (:meth:`EMA.swapped`; the trained
+        weights come back when the block ends), else the trained weights."""
+        if self.ema is None:
+            yield self.model
+            return
+        try:
+            with self.ema.swapped():
+                after_optimizer_step(self.fp8_all_gather)  # FP8 all-gather scales of the weights swapped in
+                yield self.model
+        finally:
+            after_optimizer_step(self.fp8_all_gather)  # and of the trained weights, back
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -247,7 +259,7 @@ class Runtime:
         else:
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
             if self.ema is not None:
-                named += [(f"ema.{n}", p) for n, p in self.ema.module.named_parameters() if p.requires_grad]
+                named += [(f"ema.{n}", t) for n, t in self.ema.named_tensors()]
             bad = next((n for n, p in named if not _finite(p)), None)
             reason = f"parameter {bad} holds non-finite values" if bad is not None else self._bad_optim_state()
         if torch.distributed.is_initialized():

@@ -215,7 +215,11 @@ def test_a_capability_the_engines_lack_is_refused_at_config_load(weighted_fm, ti
         assert _cli(tmp_path, tiny_export, *overrides) == 2, overrides
         err = capsys.readouterr().err
         assert re.search(message, err), err
-    # what cannot run under torchrun is refused before any process group or model: the forward update, the guard
+    # what cannot run under torchrun is refused before any process group or model: an update engine that
+    # runs in one process (the forward update, declared so here), the guard's best export
+    from posttrain.grpo.forward_update import ForwardProcessUpdate
+
+    monkeypatch.setattr(ForwardProcessUpdate, "distributed", False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _cli(tmp_path, tiny_export, *ODE, "grpo.loss.name=test_weighted_fm") == 2
     assert re.search(r"grpo\.loss\.name: 'test_weighted_fm' trains with the update engine 'forward', which runs "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -48,7 +49,7 @@ class RolloutWorker:
         sampler = Sampler.build(cfg.rollout, model, encoder, self.device, meta["sampling"]["shift"])
         compile_models(perf, self.policy, codec)
         self.actor = build_rollout_actor(cfg, perf, policy=self.policy,
-                                         sampling_model=lambda: no_grad_model(perf, self.policy, self.version),
+                                         sampling_model=lambda: nullcontext(no_grad_model(perf, self.policy, self.version)),
                                          sampler=sampler, codec=codec, prompts=train_set,
                                          image_size=meta["image_size"], device=self.device, keep_uncond=record_uncond)
         self.version = -1
@@ -87,8 +88,7 @@ class RolloutWorker:
         (:meth:`posttrain.base.policy.Policy.lora_modules`), "base_checksum": checksum of its frozen
         weights (:func:`posttrain.grpo.engines.weight_sync.frozen_tensors`), "base_dtypes": their dtype
         names, sorted}``."""
-        model = self.actor.model()
-        with self.actor.precision.autocast():
+        with self.actor.model() as model, self.actor.precision.autocast():
             v = model(x.to(self.device), sigma.to(self.device), embeds.to(self.device))
         frozen = frozen_tensors(self.policy.model)
         return {"version": self.version, "velocity": v.float().cpu(), "lora_modules": self.policy.lora_modules(),
