@@ -19,6 +19,7 @@ import torch
 
 from posttrain.base.signal_guard import NoSignalError, nonfinite_counts
 from pretrain.data.folder import DatasetError
+from pretrain.parallel.data import gather_samples
 from pretrain.sampling import initial_noise, sample_latents
 from pretrain.text_encoder import PromptEmbeds
 
@@ -130,20 +131,25 @@ def load_preference_pairs(path: str | Path, size: int, ties: str = "drop", limit
 
 @torch.no_grad()
 def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward_fn, null: PromptEmbeds, shift: float,
-                 seed: int, round_: int, device, batch_size: int = 64) -> tuple[PairSet | None, dict]:
+                 seed: int, round_: int, device, batch_size: int = 64, ranks=None) -> tuple[PairSet | None, dict]:
     """Sample ``online.samples_per_prompt`` images per prompt with the current model (ODE with
     ``online.num_inference_steps`` and ``online.guidance_scale``, seeds keyed by (seed, "rollout", round,
     global index)), score them with ``reward_fn(images, prompts) -> (total, raw)`` and pair each prompt's
     best against its worst when their gap exceeds ``online.margin`` (``online``: the ``online:`` block,
-    :class:`posttrain.dpo.stage.OnlineConfig`). Returns the pairs (None if none qualify) and stats (reward
-    mean/std, pairs kept). Raises :class:`posttrain.base.signal_guard.NoSignalError` when no sample has a
-    finite reward."""
+    :class:`posttrain.dpo.stage.OnlineConfig`). With ``ranks`` (a :class:`pretrain.parallel.job.JobRanks`
+    under torchrun) each data-parallel rank samples and scores its contiguous share of the prompts (its
+    ``ranks.share``; the data-parallel degree must divide ``len(prompt_idx)``), the rewards and each
+    prompt's best and worst images are all-gathered, so every rank returns the pairs one process makes.
+    Returns the pairs (None if none qualify) and stats (reward mean, pairs kept, mean gap). Raises
+    :class:`posttrain.base.signal_guard.NoSignalError` when no sample has a finite reward."""
     k, margin = online.samples_per_prompt, online.margin
     n = len(prompt_idx) * k
-    noise = initial_noise(n, codec.latent_shape(*prompts.images.shape[-2:]), seed, step=round_, stream="rollout", device=device)
-    rows = [prompt_idx[i // k] for i in range(n)]
+    start, stop = ranks.share(len(prompt_idx)) if ranks is not None else (0, len(prompt_idx))
+    noise = initial_noise(n, codec.latent_shape(*prompts.images.shape[-2:]), seed, step=round_, stream="rollout",
+                          device=device)[start * k:stop * k]
+    rows = [prompt_idx[i // k] for i in range(start * k, stop * k)]
     images = []
-    for s in range(0, n, batch_size):
+    for s in range(0, len(rows), batch_size):
         _, embeds, _ = prompts.batch(rows[s:s + batch_size])
         lat = sample_latents(model, embeds.to(device), null, noise[s:s + batch_size], online.num_inference_steps,
                              online.guidance_scale, shift)
@@ -151,6 +157,9 @@ def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward
     images = torch.cat(images)
     _, _, captions = prompts.batch(rows)
     total, raw = reward_fn(images, captions)
+    group = ranks.mesh.dp_group if ranks is not None and ranks.distributed else None
+    total = gather_samples(total.float().cpu(), group)  # every prompt's rewards, in prompt order
+    raw = {name: gather_samples(v.float().cpu(), group) for name, v in raw.items()}
     finite = torch.isfinite(total)
     if not bool(finite.any()):
         raise NoSignalError(f"online round {round_}: no sample has a finite reward ("
@@ -165,7 +174,8 @@ def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward
              "online_gap_mean": float(gap[torch.isfinite(gap)].mean()) if torch.isfinite(gap).any() else float("nan")}
     if not keep:
         return None, stats
-    wi = torch.tensor([p * k + int(best[p]) for p in keep])
-    li = torch.tensor([p * k + int(worst[p]) for p in keep])
+    local = torch.arange(start, stop)  # this rank's prompts: their best and worst images, then everyone's
+    images_w = gather_samples(images[(local - start) * k + best[local]], group)
+    images_l = gather_samples(images[(local - start) * k + worst[local]], group)
     _, embeds, caps = prompts.batch([prompt_idx[p] for p in keep])
-    return PairSet(images[wi], images[li], caps, embeds, torch.ones(len(keep))), stats
+    return PairSet(images_w[keep], images_l[keep], caps, embeds, torch.ones(len(keep))), stats

@@ -5,7 +5,8 @@ class each (:data:`PAIR_SOURCES`).
 split by caption into train and held-out pairs; the held-out implicit accuracy is its evaluation.
 ``online``: pairs from the current policy (Wallace et al. 2023's data, made on-policy): every
 ``online.resample_every`` steps, K ODE samples per prompt scored by ``rewards``, best vs worst above
-``online.margin`` (:func:`posttrain.dpo.data.online_pairs`).
+``online.margin`` (:func:`posttrain.dpo.data.online_pairs`); under torchrun each data-parallel rank
+samples and scores its share of the prompts and the pairs are gathered.
 
 A source is built before any model loads (an online source builds its rewards first, so a reward
 server that does not answer fails the run early), :meth:`PairSource.start` after the stage is set up.
@@ -35,8 +36,10 @@ class PairSource:
     def check(cls, cfg: "DPOConfig") -> None:
         """``ValueError`` naming the key when ``cfg`` cannot feed this source (at config load)."""
 
-    def __init__(self, cfg: "DPOConfig"):
-        self.cfg, self.seed = cfg, cfg.train.seed
+    def __init__(self, cfg: "DPOConfig", ranks=None):
+        """``ranks``: the run's :class:`pretrain.parallel.job.JobRanks` (None: one process); a layout the
+        source cannot split is a ``ConfigError`` naming the key, before any model loads."""
+        self.cfg, self.seed, self.ranks = cfg, cfg.train.seed, ranks
 
     def start(self, stage, prompts: EpochSampler) -> dict:
         """Set up on the loaded stage (:class:`posttrain.base.stage.PolicyStage`) and the run's prompt
@@ -98,10 +101,13 @@ class OnlineSource(PairSource):
                 raise ValueError(f"{key}: must be a multiple of online.resample_every (pairs are re-sampled "
                                  f"from the model at round boundaries, which is what a resume reproduces)")
 
-    def __init__(self, cfg: "DPOConfig"):
+    def __init__(self, cfg: "DPOConfig", ranks=None):
         from rewards.base import CompositeReward
 
-        super().__init__(cfg)
+        super().__init__(cfg, ranks)
+        if ranks is not None:
+            ranks.require_divisible("online.prompts_per_round", cfg.online.prompts_per_round,
+                                    "each data-parallel rank samples and scores its share of a round's prompts")
         self.rewards = CompositeReward(cfg.rewards)
         self.current: tuple[PairSet, EpochSampler] | None = None
 
@@ -126,7 +132,7 @@ class OnlineSource(PairSource):
             fresh, metrics = online_pairs(model, st.codec, st.train_set, self.prompts.next(on.prompts_per_round),
                                           online=on, reward_fn=self.rewards, null=st.null,
                                           shift=st.meta["sampling"]["shift"], seed=self.seed,
-                                          round_=step // on.resample_every, device=st.device)
+                                          round_=step // on.resample_every, device=st.device, ranks=self.ranks)
         if fresh is not None:
             self.current = (fresh, EpochSampler(len(fresh), self.seed + step))
         elif self.current is None:

@@ -132,7 +132,7 @@ class DPORun(PolicyRun):
             cfg.parallel, cfg.train.batch_size,
             "pairs per global micro-batch; each rank trains its contiguous share", Path(cfg.run_dir) / "flight_recorder")
         # the source first: a reward server that does not answer fails the run before any model loads
-        self.source = source = PAIR_SOURCES.get(cfg.source)(cfg)
+        self.source = source = PAIR_SOURCES.get(cfg.source)(cfg, ranks)
         self.st = st = PolicyStage.setup(cfg, "dpo")
         n_trainable = count_parameters(st.model, trainable_only=True)
         ranks.shard(st.model, st.policy.frozen_reference, cfg.parallel, bool(cfg.perf.compile), cfg.train.low_precision)

@@ -1,7 +1,8 @@
 """`posttrain dpo` on 2 gloo ranks vs 1 process on the same seeds: one optimizer step of online DPO.
 
-Every rank samples and scores the round's pairs exactly as one process does (same prompts, seeds and
-batches: identical pairs), then trains its 4 of the 8 pairs of the global micro-batch, with each pair's
+Each rank samples and scores its half of the round's prompts (noise keyed by global index), the
+rewards and each prompt's best and worst images are gathered, so every rank holds the pairs one
+process makes; it then trains its 4 of the 8 pairs of the global micro-batch, with each pair's
 (noise, sigma) keyed by its global index. The first DPO step starts with policy = reference, so its loss
 is log 2 on any number of ranks; the update carries the comparison. The LoRA adapter starts at
 lora_B = 0 (lora_A gets no gradient in that step), so the exported lora_B is the step's update, and with
@@ -36,15 +37,29 @@ def brightness(images, prompts=None, metadata=None):
 
 
 def _dpo(rank, world, export, run_dir):
+    import posttrain.dpo.data as data
+    import posttrain.dpo.sources as sources
     from posttrain.dpo.stage import train
 
+    sampled, made, sample, pairs = [], [], data.sample_latents, sources.online_pairs
+
+    def count(model, embeds, null, noise, *args, **kwargs):  # the samples this rank draws
+        sampled.append(len(noise))
+        return sample(model, embeds, null, noise, *args, **kwargs)
+
+    def keep(*args, **kwargs):
+        out = pairs(*args, **kwargs)
+        made.append(out[0])
+        return out
+
+    data.sample_latents, sources.online_pairs = count, keep
     cfg = dpo_config(run_dir, export, *ARGS)
     cfg.rewards = {REWARD: 1.0}
     out = train(cfg)
     run = Path(run_dir) / "dpo"
     if rank:
-        return {"export": str(out)}
-    return {"export": str(out), "metrics": read_metrics(run / "metrics.jsonl"),
+        return {"export": str(out), "sampled": sum(sampled), "pairs": made[0]}
+    return {"export": str(out), "sampled": sum(sampled), "pairs": made[0], "metrics": read_metrics(run / "metrics.jsonl"),
             "lora": load_file(str(run / "lora" / "pytorch_lora_weights.safetensors")),
             "checkpoints": sorted(p.name for p in (run / "checkpoints" / "step_1").glob("*.distcp"))}
 
@@ -60,7 +75,16 @@ def test_one_dpo_step_on_two_ranks_matches_one_process(runs, capsys):
     one, two = runs
     m1, m2 = one["metrics"][-1], two[0]["metrics"][-1]
     assert m1["step"] == m2["step"] == 1 and len(two[0]["metrics"]) == len(one["metrics"])  # rank 0 alone logs
-    assert m1["online_pairs"] == m2["online_pairs"] == 8  # the same round, sampled on every rank
+    assert m1["online_pairs"] == m2["online_pairs"] == 8
+    # each rank sampled half of the round (8 prompts x 4), and every rank holds one process's pairs
+    assert one["sampled"] == 32 and [r["sampled"] for r in two] == [16, 16]
+    p1 = one["pairs"]
+    for r in two:
+        p2 = r["pairs"]
+        assert p2.captions == p1.captions and torch.equal(p2.pref, p1.pref)
+        assert torch.equal(p2.embeds.tokens, p1.embeds.tokens)
+        d_img = max((p2.images_w - p1.images_w).abs().max().item(), (p2.images_l - p1.images_l).abs().max().item())
+        assert d_img <= 1e-5, d_img  # sampled in batches of 16 instead of 32
     d_loss = abs(m1["loss"] - m2["loss"]) / abs(m1["loss"])
     l1, l2 = one["lora"], two[0]["lora"]
     assert set(l1) == set(l2) and l1

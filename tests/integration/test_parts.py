@@ -211,6 +211,9 @@ def test_a_capability_the_engines_lack_is_refused_at_config_load(weighted_fm, ti
           "rollout.prompts_per_step=3"),
          r"train\.batch_size: .* whole groups of 4; 6 is not a multiple"),
     ]
+    from posttrain.grpo.parts.base import ROLLOUT_ENGINE_UPDATES
+
+    monkeypatch.setitem(ROLLOUT_ENGINE_UPDATES, "ray", ("transition",))  # a rollout engine without the forward update
     for overrides, message in cases:
         assert _cli(tmp_path, tiny_export, *overrides) == 2, overrides
         err = capsys.readouterr().err

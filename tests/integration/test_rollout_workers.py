@@ -72,6 +72,26 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
     assert max((la[k] - lc[k]).abs().max().item() for k in la) <= 1e-6
 
 
+@pytest.mark.parametrize("loss", ["nft", pytest.param("awm", marks=pytest.mark.long),
+                                  pytest.param("dgpo", marks=pytest.mark.long)])
+def test_forward_process_losses_on_two_workers_equal_the_colocated_run(loss, tiny_export, tmp_path, ray_cluster,
+                                                                        capsys):
+    """NFT samples with its old policy: the workers receive the old weights (swapped in when the packet is
+    built), so 2 iterations on 2 sync workers end with the colocated run's adapter."""
+    from tests.integration.test_forward_process import LOSSES, ODE
+
+    args = (*ODE, LOSSES[loss], "train.threads=1", "eval.grid_prompts=4", "checkpoint.every=0")
+    run_stage(GRPORun(grpo_config(tmp_path / "local", tiny_export, *args)))
+    run_stage(GRPORun(grpo_config(tmp_path / "ray", tiny_export, *args, *RAY)))
+    la, lb = _lora(tmp_path / "local"), _lora(tmp_path / "ray")
+    ra, rb = ([r["reward_mean"] for r in read_metrics(tmp_path / run / "grpo" / "metrics.jsonl")] for run in ("local", "ray"))
+    diff = max((la[k] - lb[k]).abs().max().item() for k in la)
+    with capsys.disabled():
+        print(f"\n{loss}, 2 sync workers vs colocated: rewards {ra} vs {rb}; LoRA max |d| {diff:.2e}")
+    assert la.keys() == lb.keys() and ra == rb and len(ra) == 2
+    assert diff <= 1e-6
+
+
 @pytest.mark.long  # make test keeps the sync mode's equality with the colocated run and the worker replacement
 @pytest.mark.parametrize("mode,k", [("one_step_off", 1), ("async", 2)])
 def test_stale_modes_keep_staleness_within_bound_with_a_slow_worker(tiny_export, tmp_path, ray_cluster,

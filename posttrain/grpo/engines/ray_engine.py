@@ -4,8 +4,9 @@ Each iteration's samples are split into requests of ``rollout.batch_size`` (the 
 sample ids ``[b * batch_size, ...)``, noise keyed by them), queued to the workers of a
 :class:`posttrain.grpo.engines.ray_pool.WorkerPool`, scored as each result arrives, and assembled in request
 order; under ``torchrun`` rank 0 broadcasts the iteration and each rank keeps its share of the groups.
-After each update the trainable weights are published as a versioned packet (every rank builds it:
-FSDP2 gathers are collectives; rank 0 puts it in Ray's object store).
+After each update the trainable weights the trainer would sample with (the policy's, or the old
+policy's for a forward-process loss that samples with it) are published as a versioned packet (every
+rank builds it: FSDP2 gathers are collectives; rank 0 puts it in Ray's object store).
 
 How far sampling runs ahead (``engine.mode``): ``sync`` queues iteration k after the weights of k
 iterations are published (on-policy: exactly the colocated samples); ``one_step_off`` queues k + 1
@@ -104,9 +105,12 @@ class RayEngine:
         self.publish(version)
 
     def publish(self, version: int) -> None:
-        """Every rank: build the weight packet of ``version`` (collective under FSDP2); rank 0 publishes it."""
+        """Every rank: build the weight packet of ``version`` (collective under FSDP2) from the weights the
+        trainer would sample with (the actor's model: the old policy's, swapped in, for a loss that samples
+        with them); rank 0 publishes it."""
         t0 = time.perf_counter()
-        packet = WeightPacket.build(self.policy.model, version, self.policy.lora)
+        with self.actor.model():
+            packet = WeightPacket.build(self.policy.model, version, self.policy.lora)
         if self.pool is not None:
             self.pool.publish(packet)
         self.sync = {"weight_sync_bytes": packet.nbytes, "weight_sync_tensors": len(packet.tensors),

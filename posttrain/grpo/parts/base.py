@@ -40,7 +40,7 @@ UPDATES = Registry("update engine", {"transition": "posttrain.grpo.update:GRPOUp
                    key="grpo.loss.name")
 
 #: The update engines each rollout engine can train with (``engine.name`` -> names); not listed: all.
-ROLLOUT_ENGINE_UPDATES: dict[str, tuple[str, ...]] = {"ray": ("transition",)}
+ROLLOUT_ENGINE_UPDATES: dict[str, tuple[str, ...]] = {"ray": ("transition", "forward")}
 
 
 class LossPart:
