@@ -166,7 +166,7 @@ class PretrainRun:
         ranks.shard(model, None, cfg.parallel, low_precision=cfg.train.low_precision)
         self.sampler = EpochSampler(len(self.train_set), cfg.train.seed)
         self.rt = rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
-                               stateful={"sampler": self.sampler})
+                               stateful={"sampler": self.sampler}, shape=ranks.model_parallel_shape())
         resumed = rt.start(cfg.checkpoint.resume)
         if ranks.is_main:  # once the start is accepted: a refused resume writes nothing
             record_config(cfg, run, cfg.checkpoint.resume)

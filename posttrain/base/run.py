@@ -45,7 +45,7 @@ class PolicyRun:
         from, or None."""
         cfg, st = self.cfg, self.st
         stateful = {**stateful, **({"reward_guard": self.guard} if self.guard is not None else {})}
-        shape = {**(shape or {}), **st.policy.shape(), **guard_shape(cfg.guard)}
+        shape = {**(shape or {}), **st.policy.shape(), **guard_shape(cfg.guard), **self.ranks.model_parallel_shape()}
         self.rt = Runtime(st.model, cfg.train, cfg.optim, st.device, st.run / "checkpoints", cfg.checkpoint.keep_last,
                           stateful=stateful, total_steps=cfg.train.steps * unit[1], shape=shape, unit=unit)
         resumed = self.rt.start(cfg.checkpoint.resume)

@@ -65,8 +65,10 @@ class OldPolicy(ShadowWeights):
             finally:
                 model.train(was_training)
 
+    sharded_state = True  # checkpointed as DTensors under FSDP2: a resume on another world size reshards it
+
     def state_dict(self) -> dict:
-        return dict(self.shadow)
+        return {n: self.as_param(n) for n in self.shadow}
 
     def load_state_dict(self, state: dict) -> None:
         self.load_tensors(state)

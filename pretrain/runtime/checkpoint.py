@@ -82,18 +82,31 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def per_rank(value):
+#: the key of ``shape.json`` that records the world size a checkpoint was written by
+WORLD = "world size (torchrun --nproc_per_node x --nnodes)"
+
+
+def per_rank(value, saved_world: int | None = None):
     """Wrap state that differs per rank (RNG, data positions) as ``{"rank<N>": value}`` under a process
     group of more than one rank: DCP stores one copy of the state all ranks save under the same key.
-    Returned unchanged in one process (the single-process layout stays as it was)."""
+    Returned unchanged in one process (the single-process layout stays as it was). ``saved_world``: as a
+    template to load a checkpoint written by that many processes: when it is not this run's world size,
+    every rank reads rank 0's entry (unwrapped when it was one process)."""
     rank, world = _world()
-    return value if world == 1 else {f"rank{rank}": value}
+    written = world if saved_world is None else saved_world
+    if written == 1:
+        return value
+    return {f"rank{rank if written == world else 0}": value}
 
 
-def own_rank(saved):
-    """This rank's entry of state written by ``per_rank`` (so resume needs the same number of ranks)."""
+def own_rank(saved, saved_world: int | None = None):
+    """This rank's entry of state written by ``per_rank`` (rank 0's when ``saved_world``, the world size
+    that wrote it, is not this run's)."""
     rank, world = _world()
-    return saved if world == 1 else saved[f"rank{rank}"]
+    written = world if saved_world is None else saved_world
+    if written == 1:
+        return saved
+    return saved[f"rank{rank if written == world else 0}"]
 
 
 class CheckpointManager:
@@ -172,6 +185,12 @@ class CheckpointManager:
         got = _hash_shared(path, sorted(want))
         bad = [n for n in sorted(want) if got[n]["sha256"] != want[n]["sha256"]]
         return f"{bad[0]} does not match its SHA-256 in {MANIFEST}" if bad else None
+
+    @staticmethod
+    def written_world(path: str | Path) -> int:
+        """The world size that wrote the checkpoint at ``path`` (from ``shape.json``; 1 when unrecorded)."""
+        recorded = Path(path) / SHAPE
+        return int(json.loads(recorded.read_text()).get(WORLD, 1)) if recorded.is_file() else 1
 
     @staticmethod
     def check_shape(path: str | Path, shape: dict) -> None:

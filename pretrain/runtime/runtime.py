@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pretrain.runtime.adam_eps import EpsMonitor
-from pretrain.runtime.checkpoint import (CheckpointError, CheckpointManager, own_rank, per_rank, rng_state,
+from pretrain.runtime.checkpoint import (WORLD, CheckpointError, CheckpointManager, own_rank, per_rank, rng_state,
                                          set_rng_state)
 from pretrain.runtime.config import OptimConfig, RuntimeConfig
 from pretrain.runtime.ema import build_ema
@@ -89,10 +89,10 @@ class Runtime:
         self.attempt = Attempt(Path(checkpoint_dir).parent, _world()[0])
         self.fp8_all_gather = fp8_all_gather_modules(model)  # converted before the runtime is built
         self.stateful = dict(stateful or {})
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        # the optimizer and LR-schedule state a resume loads carry these: a changed value would be ignored
-        self.shape = {"world size (torchrun --nproc_per_node x --nnodes)": world, "optim.lr": optim.lr,
-                      "optim.schedule": optim.schedule, "optim.warmup_steps": optim.warmup_steps,
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        # the optimizer and LR-schedule state a resume loads carry these: a changed value would be ignored.
+        # The world size is recorded, not checked: a resume on another number of data-parallel ranks reshards.
+        self.shape = {"optim.lr": optim.lr, "optim.schedule": optim.schedule, "optim.warmup_steps": optim.warmup_steps,
                       "optim.min_lr_ratio": optim.min_lr_ratio, **(shape or {})}
         self.step = 0
         self.amp_overflows = 0
@@ -233,14 +233,22 @@ class Runtime:
             after_optimizer_step(self.fp8_all_gather)  # and of the trained weights, back
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, saved_world: int | None = None) -> dict:
+        """The checkpointed state. Model, optimizer, EMA and the ``stateful`` objects with
+        ``sharded_state`` (DTensors, e.g. an old policy's shards) are resharded by DCP; RNG states and the
+        other ``stateful`` objects are per rank (:func:`per_rank`; ``saved_world``: as a template to load a
+        checkpoint written by that many processes, whose rank 0 entry every rank then reads)."""
         msd, osd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        sharded = {k for k, v in self.stateful.items() if getattr(v, "sharded_state", False)}
         state = {"model": msd, "optim": osd, "scheduler": self.scheduler.state_dict(), "step": self.step,
                  "guard": self.guard.state_dict(), "amp_overflows": self.amp_overflows,
                  "spikes": {"history": self.spikes.state_dict(), "total": self.spikes_total},
                  # per rank: DCP keeps one copy of equal keys, and each rank has its own RNG and positions
-                 "rng": per_rank(rng_state()),
-                 "stateful": per_rank({k: v.state_dict() for k, v in self.stateful.items()})}
+                 "rng": per_rank(rng_state(), saved_world),
+                 "stateful": per_rank({k: v.state_dict() for k, v in self.stateful.items() if k not in sharded},
+                                      saved_world)}
+        if sharded:
+            state["sharded"] = {k: self.stateful[k].state_dict() for k in sharded}
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
         if self.precision.scaler is not None:
@@ -292,14 +300,23 @@ class Runtime:
             log.warning("checkpoint step_%d not written: %s; the latest checkpoint stays %s", step, reason,
                         self.checkpoints.latest())
             return None
-        path = self.checkpoints.save(step, self.state_dict(), self.shape)
+        path = self.checkpoints.save(step, self.state_dict(), {WORLD: self.world, **self.shape})
         self.attempt.progress(self.step, checkpoint=step)
         return path
 
     def load(self, path: str | Path) -> None:
-        state = self.state_dict()
+        written = self.checkpoints.written_world(path)
+        if written != self.world:
+            log.warning("resuming on %d process(es) from %s, written by %d: model, optimizer%s resharded by DCP "
+                        "(the global batch and the sample stream by global index are kept); RNG states and data "
+                        "positions from rank 0", self.world, path, written,
+                        ", EMA" if self.ema is not None else "")
+        state = self.state_dict(written)
         if not self.checkpoints.holds(path, "spikes"):  # written before the spike detector: it starts empty
             state.pop("spikes")
+        if "sharded" in state and not self.checkpoints.holds(path, "sharded"):  # written before: kept per rank
+            state["stateful"] = per_rank({k: v.state_dict() for k, v in self.stateful.items()}, written)
+            state.pop("sharded")
         self.checkpoints.load(state, path)
         # frozen parameters (a LoRA base) are not in the checkpoint: they come from the export
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -315,13 +332,13 @@ class Runtime:
             self.ema.load_state_dict(state["ema"])
         if self.precision.scaler is not None:
             self.precision.scaler.load_state_dict(state["scaler"])
-        saved = own_rank(state["stateful"])
+        saved = {**own_rank(state["stateful"], written), **state.get("sharded", {})}
         for k, v in self.stateful.items():
             if k in saved:
                 v.load_state_dict(saved[k])
             elif not getattr(v, "state_optional", False):  # e.g. a rollout engine's queue: empty when absent
                 raise KeyError(f"the checkpoint holds no state for '{k}' (it has {sorted(saved)})")
-        set_rng_state(own_rank(state["rng"]))
+        set_rng_state(own_rank(state["rng"], written))
 
     def start(self, resume: bool) -> Path | None:
         """Begin a run: with ``resume``, load the latest complete checkpoint (None if there is none);

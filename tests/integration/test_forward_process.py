@@ -80,7 +80,7 @@ def test_nft_resume_restores_the_old_copy_bitwise(tiny_export, tmp_path):
         dcp_to_torch_save(tmp_path / run / "grpo/checkpoints/step_3", tmp_path / f"{run}.pt")
         states[run] = torch.load(tmp_path / f"{run}.pt", weights_only=False)
     a, b = states["a"], states["b"]
-    old_a, old_b = a["stateful"]["grpo.old_policy"], b["stateful"]["grpo.old_policy"]
+    old_a, old_b = a["sharded"]["grpo.old_policy"], b["sharded"]["grpo.old_policy"]
     assert old_a and all(torch.equal(old_a[k], old_b[k]) for k in old_a)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     # the old copy has moved off the initial adapter (B = 0)
