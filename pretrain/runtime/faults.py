@@ -7,6 +7,8 @@ rank ``r`` at optimizer step ``k`` (the runtime's step count, 1-based) during to
 
 - ``exit``: ``os._exit(43)`` before the step is applied: the rank disappears without a Python error,
   as after a kill, a segfault or the OOM killer.
+- ``node``: the rank's torchrun agent (its parent process) is killed, then the rank exits as with
+  ``exit``: the node is lost for good, so an elastic job (``--nnodes MIN:MAX``) goes on without it.
 - ``nan_loss``: this rank's loss value for the step becomes NaN (its gradients are unchanged).
 - ``nan_grad``: this rank's local gradient of its first trainable parameter becomes NaN.
 
@@ -19,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 ENV = "POSTTRAIN_FAULT"
-KINDS = ("exit", "nan_loss", "nan_grad")
+KINDS = ("exit", "node", "nan_loss", "nan_grad")
 EXIT_CODE = 43
 
 
@@ -61,7 +63,11 @@ def inject(step: int, loss_value: float, params: list) -> float:
     """Apply the faults due at ``step`` to this rank (``params``: its trainable parameters, gradients
     already computed); returns the loss value to use. Never returns when ``exit`` fires."""
     kinds = active(step)
-    if "exit" in kinds:
+    if "node" in kinds:
+        import signal
+
+        os.kill(os.getppid(), signal.SIGKILL)
+    if kinds & {"exit", "node"}:
         os._exit(EXIT_CODE)
     if "nan_grad" in kinds:
         grad = next(p.grad for p in params if p.grad is not None)
