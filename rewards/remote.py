@@ -9,7 +9,19 @@ sample's prompt. The score is ``float(m.group(1))`` of the first match of ``scor
 from ``score_range = [lo, hi]`` onto [0, 1] (clamped).
 
 An answer with no match (or no text) scores NaN -- "not applicable", excluded from the statistics --
-and is counted in ``unparsed_total`` with one warning per batch quoting the first such answer. A
+and is counted in ``unparsed_total`` with one warning per batch quoting the first such answer.
+
+``scoring`` other than ``text`` reads the answer's first token's log-probs instead of its text (the
+request asks for ``logprobs`` and ``top_logprobs``; Flow-Factory's vLLM evaluation scores the same way):
+``yes_prob`` is P(yes) = sum of p over ``yes_tokens`` / (that + sum of p over ``no_tokens``), among the
+top log-probs; ``expected_score`` is sum v p(v) / sum p(v) over the ``score_tokens`` (token -> value)
+among them, then mapped by ``score_range``. Tokens are compared without surrounding whitespace. A reply
+without log-probs, or whose top log-probs hold none of the tokens, scores NaN and is counted in
+``missing_logprobs_total`` (never a guess).
+
+``seed``: each request carries ``seed`` = :func:`pretrain.seeding.seed_for` (seed, iteration, global
+sample index) mod 2^31, from the reward's metadata (``iteration``, ``sample_ids``; the batch index and
+iteration 0 when absent), so a judge that samples (temperature > 0) scores reproducibly. A
 server that is down or keeps failing raises ``RuntimeError`` naming the URL and the last error after
 ``1 + max_retries`` attempts (``rewards.transport``); nothing is ever filled with zeros.
 
@@ -36,6 +48,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TEMPLATE = ('How well does this image match the description "{prompt}"? Rate it from 0 to 10. '
                     "Answer only with 'Score: <number>'.")
 DEFAULT_PATTERN = r"[Ss]core\s*[:=]\s*([-+]?\d*\.?\d+(?:[eE][-+]?\d+)?)"
+SCORINGS = ("text", "yes_prob", "expected_score")
 
 
 class RemoteJudge:
@@ -55,7 +68,12 @@ class RemoteJudge:
         api_key: bearer token; else read from the environment variable named ``api_key_env``; none
             sent when both are unset.
         max_tokens, temperature, system_prompt, extra_body: passed into the request (``extra_body``
-            is merged into the JSON body, e.g. vLLM's ``guided_regex``).
+            is merged into the JSON body, e.g. vLLM's ``structured_outputs``).
+        scoring: ``text`` (parse ``score_pattern``), ``yes_prob`` or ``expected_score`` (from the first
+            answer token's log-probs; see the module docstring).
+        yes_tokens, no_tokens: the answer tokens of ``yes_prob``; score_tokens: token -> value of
+            ``expected_score`` (default "0" ... "10"); top_logprobs: how many log-probs to ask for.
+        seed: base of the per-request seeds (None: no seed sent).
 
     ``__call__(images [B, 3, H, W] float32 in [0, 1], prompts list[str] of length B, metadata)`` ->
     float32 ``[B]`` (NaN where the answer had no score). Raises ``ValueError`` for a bad shape or
@@ -68,12 +86,23 @@ class RemoteJudge:
                  max_concurrency: int = 8, timeout_s: float = 60.0, max_retries: int = 3,
                  backoff_s: float = 0.5, api_key: str | None = None, api_key_env: str | None = None,
                  max_tokens: int = 32, temperature: float = 0.0, system_prompt: str | None = None,
-                 extra_body: dict | None = None):
+                 extra_body: dict | None = None, scoring: str = "text", yes_tokens: list[str] | None = None,
+                 no_tokens: list[str] | None = None, score_tokens: dict[str, float] | None = None,
+                 top_logprobs: int = 20, seed: int | None = None):
         if not str(base_url).startswith(("http://", "https://")):
             raise ValueError(f"remote reward: base_url must start with http:// or https://, got {base_url!r}")
         if max_concurrency < 1 or max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError("remote reward: need max_concurrency >= 1, max_retries >= 0, timeout_s > 0, "
                              "backoff_s >= 0")
+        if scoring not in SCORINGS:
+            raise ValueError(f"remote reward: scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+        if top_logprobs < 1:
+            raise ValueError(f"remote reward: top_logprobs must be >= 1, got {top_logprobs}")
+        self.scoring, self.top_logprobs, self.seed = scoring, int(top_logprobs), seed
+        self.yes_tokens = [str(t).strip() for t in (yes_tokens or ["Yes", "yes"])]
+        self.no_tokens = [str(t).strip() for t in (no_tokens or ["No", "no"])]
+        self.score_tokens = {str(k).strip(): float(v) for k, v in
+                             (score_tokens or {str(i): i for i in range(11)}).items()}
         self.pattern = re.compile(score_pattern)
         if score_range is not None and (len(score_range) != 2 or score_range[1] == score_range[0]):
             raise ValueError(f"remote reward: score_range must be [lo, hi] with lo != hi, got {score_range}")
@@ -83,9 +112,11 @@ class RemoteJudge:
         self.max_retries, self.backoff_s = int(max_retries), float(backoff_s)
         key = api_key or (os.environ.get(api_key_env) if api_key_env else None)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.body = {"max_tokens": max_tokens, "temperature": temperature, **(extra_body or {})}
+        logprobs = {} if scoring == "text" else {"logprobs": True, "top_logprobs": self.top_logprobs}
+        self.body = {"max_tokens": max_tokens, "temperature": temperature, **logprobs, **(extra_body or {})}
         self.system_prompt = system_prompt
         self.unparsed_total = 0
+        self.missing_logprobs_total = 0
         self._count_lock = threading.Lock()
 
     def check(self) -> str | None:
@@ -95,18 +126,57 @@ class RemoteJudge:
         answers without ``choices[0].message``."""
         grey = encode_png_b64(torch.full((1, 3, 8, 8), 0.5))[0]
         try:
-            return self._ask((grey, "a grey square"), None)[1]
+            return self._ask((grey, "a grey square", None), None)[1]
         except RuntimeError as e:
             raise RewardUnavailable(one_line(f"remote reward: start-up check failed: {e}")) from e
 
-    def request(self, png_b64: str, prompt: str) -> dict:
-        """The chat-completions JSON body for one image (base64 PNG) and its prompt."""
+    def request(self, png_b64: str, prompt: str, seed: int | None = None) -> dict:
+        """The chat-completions JSON body for one image (base64 PNG), its prompt and its seed (None: none
+        sent)."""
         content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}},
                    {"type": "text", "text": self.template.replace("{prompt}", prompt)}]
         messages = [{"role": "user", "content": content}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return {"model": self.model, "messages": messages, **self.body}
+        return {"model": self.model, "messages": messages, **self.body, **({} if seed is None else {"seed": seed})}
+
+    def seeds(self, n: int, metadata: dict | None) -> list[int | None]:
+        """The per-request seeds of a batch of ``n`` (see the module docstring); Nones without ``seed``."""
+        if self.seed is None:
+            return [None] * n
+        from pretrain.seeding import seed_for
+
+        meta = metadata or {}
+        ids = [int(i) for i in meta["sample_ids"]] if "sample_ids" in meta else list(range(n))
+        it = int(meta.get("iteration", 0))
+        return [seed_for(self.seed, it, i) % (1 << 31) for i in ids]
+
+    def from_logprobs(self, out: dict) -> float:
+        """The ``yes_prob`` / ``expected_score`` of a reply (``choices[0].logprobs.content[0].top_logprobs``),
+        mapped by ``score_range``; NaN when the reply has no log-probs or none of the tokens."""
+        try:
+            top = out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            probs = {}
+            for entry in top:
+                token = str(entry["token"]).strip()
+                probs[token] = probs.get(token, 0.0) + math.exp(float(entry["logprob"]))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return math.nan
+        if self.scoring == "yes_prob":
+            yes = sum(probs.get(t, 0.0) for t in self.yes_tokens)
+            no = sum(probs.get(t, 0.0) for t in self.no_tokens)
+            return yes / (yes + no) if yes + no > 0 else math.nan
+        mass = sum(p for t, p in probs.items() if t in self.score_tokens)
+        if mass <= 0:
+            return math.nan
+        value = sum(self.score_tokens[t] * p for t, p in probs.items() if t in self.score_tokens) / mass
+        return self._mapped(value)
+
+    def _mapped(self, value: float) -> float:
+        if self.score_range is not None:
+            lo, hi = self.score_range
+            value = min(max((value - lo) / (hi - lo), 0.0), 1.0)
+        return value
 
     def parse(self, answer: str | None) -> float:
         """The score in ``answer`` (mapped by ``score_range``), or NaN when the pattern does not match."""
@@ -117,29 +187,35 @@ class RemoteJudge:
             value = float(m.group(1) if self.pattern.groups else m.group(0))
         except ValueError:
             return math.nan
-        if self.score_range is not None:
-            lo, hi = self.score_range
-            value = min(max((value - lo) / (hi - lo), 0.0), 1.0)
-        return value
+        return self._mapped(value)
 
     def _ask(self, item, abort) -> tuple[float, str | None]:
-        png, prompt = item
-        out = post_json(self.url, self.request(png, prompt), timeout_s=self.timeout_s,
+        png, prompt, seed = item
+        out = post_json(self.url, self.request(png, prompt, seed), timeout_s=self.timeout_s,
                         max_retries=self.max_retries, backoff_s=self.backoff_s, headers=self.headers,
                         abort=abort)
         try:
             answer = out["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError) as e:
             raise RuntimeError(f"{self.url} answered without choices[0].message: {str(out)[:300]}") from e
+        if self.scoring != "text":
+            return self.from_logprobs(out), answer
         return self.parse(answer), answer
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         prompts = list(prompts) if prompts is not None else []
         if len(prompts) != images.shape[0]:
             raise ValueError(f"remote reward: {images.shape[0]} images but {len(prompts)} prompts")
-        results = map_ordered(self._ask, list(zip(encode_png_b64(images), prompts)), self.max_concurrency)
+        items = list(zip(encode_png_b64(images), prompts, self.seeds(len(prompts), metadata)))
+        results = map_ordered(self._ask, items, self.max_concurrency)
         bad = [i for i, (score, _) in enumerate(results) if math.isnan(score)]
-        if bad:
+        if bad and self.scoring != "text":
+            with self._count_lock:
+                self.missing_logprobs_total += len(bad)
+            log.warning("remote reward: %d/%d replies from %s had no %s log-probs among their top %d (scored "
+                        "NaN; %d so far); first, sample %d: %r", len(bad), len(results), self.url, self.scoring,
+                        self.top_logprobs, self.missing_logprobs_total, bad[0], str(results[bad[0]][1])[:200])
+        elif bad:
             with self._count_lock:
                 self.unparsed_total += len(bad)
             log.warning("remote reward: %d/%d answers from %s had no score matching %r (scored NaN; "

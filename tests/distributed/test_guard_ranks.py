@@ -1,4 +1,4 @@
-"""The reward-hacking guard under `torchrun --nproc_per_node 2`: every rank probes the same held-out prompts
+"""The reward-hacking guard on 2 gloo ranks (as under `torchrun --nproc_per_node 2`): every rank probes the same held-out prompts
 with the same seeds through the sharded policy, rank 0's decision is broadcast, and the run logs the
 checks one process logs (values within float rounding) and stops at the same step on a planted hack
 (brightness rewarded while any rise of the held-out loss counts as worse)."""
@@ -8,9 +8,9 @@ import math
 import pytest
 import yaml
 
+from pretrain.parallel.launch import run_ranks
 from pretrain.runtime.metrics import read_metrics
 from tests.conftest import ROOT
-from tests.distributed.test_grpo_torchrun import _launch
 
 pytestmark = pytest.mark.core
 
@@ -24,19 +24,21 @@ TOL = 1e-6  # relative: 2 FSDP ranks against one process after a few optimizer s
 # one optimizer step per iteration, so both see the same mini-batch (docs/distributed.md: the shuffle is per rank)
 
 
-def test_the_guard_on_two_ranks_checks_and_stops_as_one_process(tiny_export, tmp_path):
-    from posttrain.grpo.stage import GRPOConfig, train as grpo_train
+def _grpo(rank, world, path, run_dir, overrides):
+    from posttrain.grpo.stage import GRPOConfig, train
     from pretrain.config import load_config
 
+    train(load_config(GRPOConfig, path, [f"run_dir={run_dir}", *overrides]))
+
+
+def test_the_guard_on_two_ranks_checks_and_stops_as_one_process(tiny_export, tmp_path):
     cfg = yaml.safe_load((ROOT / "configs/grpo/emoji_tiny.yaml").read_text())
     cfg["rewards"] = {REWARD: 1.0}
     path = tmp_path / "guard.yaml"
     path.write_text(yaml.safe_dump(cfg))
     common = (f"model.pretrained={tiny_export}", *ARGS)
-    grpo_train(load_config(GRPOConfig, path, [f"run_dir={tmp_path / 'one'}", *common]))
-    proc = _launch(["grpo", str(path), f"run_dir={tmp_path / 'two'}", *common], timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ranks: world 2" in proc.stdout + proc.stderr
+    for run, world in (("one", 1), ("two", 2)):
+        run_ranks(_grpo, str(path), str(tmp_path / run), common, world_size=world)
 
     checks = {}
     for run in ("one", "two"):

@@ -28,10 +28,10 @@ REWARD_TOL = 1e-6  # iteration 2's mean reward
 WEIGHT_TOL = 1e-4  # max |weight difference| / max |weight change|
 
 
-def _grpo(rank, world, export, run_dir, steps, resume):
+def _grpo(rank, world, export, run_dir, steps, resume, overrides=()):
     from posttrain.grpo.stage import train
 
-    cfg = grpo_config(run_dir, export, *GRPO, f"train.steps={steps}", f"checkpoint.resume={resume}")
+    cfg = grpo_config(run_dir, export, *GRPO, *overrides, f"train.steps={steps}", f"checkpoint.resume={resume}")
     cfg.rewards = {REWARD: 1.0}
     out = train(cfg)
     if rank:
@@ -86,3 +86,18 @@ def test_pretraining_written_by_2_ranks_resumes_on_4(tmp_path, capsys):
     # the EMA export after steps 3-4, against its change since step 2
     assert _compare("pretraining 2 ranks -> 4 vs 2 ranks straight", on4, straight, half["export"], capsys,
                     "losses") > 1e-5
+
+
+def test_nft_written_by_2_ranks_resumes_its_old_policy_on_1(tiny_export, tmp_path, capsys):
+    """NFT's old policy is checkpointed as DTensor shards: one process reads it whole."""
+    from tests.integration.test_forward_process import LOSSES, ODE
+
+    nft = (*ODE, LOSSES["nft"])
+    export = str(tiny_export)
+    straight = run_ranks(_grpo, export, str(tmp_path / "straight"), 2, False, nft, world_size=2)[0]
+    run_ranks(_grpo, export, str(tmp_path / "two"), 1, False, nft, world_size=2)
+    on1 = run_ranks(_grpo, export, str(tmp_path / "two"), 2, True, nft, world_size=1)[0]
+    assert on1["rewards"][0] == straight["rewards"][0]
+    assert abs(on1["rewards"][1] - straight["rewards"][1]) <= REWARD_TOL  # sampled with the resumed old policy
+    base = load_file(str(Path(export) / "diffusion_pytorch_model.safetensors"))
+    assert _compare("NFT 2 ranks -> 1 vs 2 ranks straight", on1, straight, base, capsys, "rewards") > 1e-4

@@ -16,15 +16,17 @@ from rewards.png import decode_png_b64
 
 class JudgeServer(ThreadingHTTPServer):
     """``delay(judging_text) -> seconds`` before answering; ``answer(text, score) -> str`` overrides
-    the reply text; ``status`` != 200 answers every request with that HTTP error. Records every
+    the reply text; ``top_logprobs(text, score) -> [(token, logprob), ...] | None`` gives the first answer
+    token's top log-probs when a request asks for ``logprobs`` (None: a reply without them);
+    ``status`` != 200 answers every request with that HTTP error. Records every
     request body (``bodies``), its headers (``headers``) and the prompts in completion order
     (``completed``)."""
 
     daemon_threads = True
 
-    def __init__(self, delay=lambda text: 0.0, answer=None, status: int = 200):
+    def __init__(self, delay=lambda text: 0.0, answer=None, status: int = 200, top_logprobs=None):
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.delay, self.answer, self.status = delay, answer, status
+        self.delay, self.answer, self.status, self.top_logprobs = delay, answer, status, top_logprobs
         self.bodies, self.headers, self.completed = [], [], []
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -64,9 +66,14 @@ class _Handler(BaseHTTPRequestHandler):
         answer = self.server.answer(text, score) if self.server.answer else f"Score: {score!r}"
         with self.server.lock:
             self.server.completed.append(text)
+        choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}
+        top = self.server.top_logprobs(text, score) if body.get("logprobs") and self.server.top_logprobs else None
+        if top is not None:
+            top = top[:body.get("top_logprobs", len(top))]
+            choice["logprobs"] = {"content": [{"token": top[0][0], "logprob": top[0][1],
+                                               "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}]}
         self._reply(200, {"id": f"chatcmpl-{index}", "object": "chat.completion", "model": body["model"],
-                          "choices": [{"index": 0, "finish_reason": "stop",
-                                       "message": {"role": "assistant", "content": answer}}]})
+                          "choices": [choice]})
 
     def _reply(self, code: int, payload: dict) -> None:
         data = json.dumps(payload).encode()

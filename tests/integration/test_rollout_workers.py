@@ -47,12 +47,31 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
     assert b.metrics["weight_sync_bytes"] == sum(p.numel() * p.element_size() for p in adapters.values())
     local.engine.close()
     workers.engine.close()
-    # two whole iterations each, weights pushed through the object store or broadcast: the LoRA within 1e-6,
-    # every iteration on-policy (no importance weight)
+    # two whole iterations, weights pushed through the object store: the LoRA within 1e-6, every iteration
+    # on-policy (no importance weight); the collective push and a resume that switches engines: long tier
+    _two_iterations_equal(tiny_export, tmp_path, ("object_store",), capsys)
+
+
+@pytest.mark.long  # make test syncs through the collective group in test_worker_lora_sync.py
+def test_collective_sync_and_a_resume_onto_workers_equal_the_colocated_run(tiny_export, tmp_path, ray_cluster,
+                                                                            capsys):
+    la = _two_iterations_equal(tiny_export, tmp_path, ("collective",), capsys)
+    # a run checkpointed on the local engine resumes on the workers and ends where the local run ends
+    args = ("train.threads=1", "eval.grid_prompts=4", "checkpoint.every=1")
+    run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=1")))
+    run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=2", "checkpoint.resume=true",
+                                  "engine.name=ray", "engine.workers=2")))
+    lc = _lora(tmp_path / "switch")
+    assert max((la[k] - lc[k]).abs().max().item() for k in la) <= 1e-6
+
+
+def _two_iterations_equal(tiny_export, tmp_path, syncs, capsys) -> dict:
+    """Two iterations on the local engine and on 2 sync workers per weight-sync path in ``syncs``: the
+    LoRA within 1e-6, every iteration on-policy (no importance weight). Returns the local LoRA."""
     run_stage(GRPORun(grpo_config(tmp_path / "local2", tiny_export, "train.threads=1", "eval.grid_prompts=4",
                                   "checkpoint.every=0")))
     la = _lora(tmp_path / "local2")
-    for sync in ("object_store", "collective"):  # the collective path: a gloo group of the trainer and workers
+    for sync in syncs:  # the collective path: a gloo group of the trainer and workers
         run_stage(GRPORun(grpo_config(tmp_path / sync, tiny_export, *RAY, f"engine.weight_sync={sync}")))
         lb = _lora(tmp_path / sync)
         assert la.keys() == lb.keys()
@@ -63,13 +82,7 @@ def test_sync_with_two_workers_equals_the_colocated_run(tiny_export, tmp_path, r
         records = read_metrics(tmp_path / sync / "grpo" / "metrics.jsonl")
         assert [r["staleness_max"] for r in records] == [0, 0]
         assert not any("is_weight_mean" in r for r in records)
-    # a run checkpointed on the local engine resumes on the workers and ends where the local run ends
-    args = ("train.threads=1", "eval.grid_prompts=4", "checkpoint.every=1")
-    run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=1")))
-    run_stage(GRPORun(grpo_config(tmp_path / "switch", tiny_export, *args, "train.steps=2", "checkpoint.resume=true",
-                                  "engine.name=ray", "engine.workers=2")))
-    lc = _lora(tmp_path / "switch")
-    assert max((la[k] - lc[k]).abs().max().item() for k in la) <= 1e-6
+    return la
 
 
 @pytest.mark.parametrize("loss", ["nft", pytest.param("awm", marks=pytest.mark.long),

@@ -293,3 +293,46 @@ def test_remote_killed_server_is_a_clear_error(judge, images):
     with pytest.raises(RuntimeError, match=f"{server.base_url}/chat/completions failed after 3 attempt"):
         reward(images[:2], PROMPTS[:2])
     assert 0.3 <= time.monotonic() - t0 < 3.0
+
+
+def test_remote_yes_prob_and_expected_score_from_logprobs_by_hand(judge, images, caplog):
+    """P(yes) = (p(" Yes") + p("yes")) / (that + p("No")) over the top log-probs; the expected score
+    sum v p(v) / sum p(v) over the score tokens present; a reply without them is NaN and counted."""
+    ln = math.log
+    yes_no = [(" Yes", ln(0.6)), ("yes", ln(0.1)), ("No", ln(0.2)), ("Maybe", ln(0.1))]
+    scores = [("7", ln(0.5)), (" 8", ln(0.3)), ("x", ln(0.2))]
+
+    def top(text, score):
+        if "sample 2" in text:
+            return None  # a reply without log-probs
+        return yes_no if "yes or no" in text else scores
+
+    server = judge(top_logprobs=top, answer=lambda text, score: "Yes")
+    r = RemoteJudge(server.base_url, model="m", scoring="yes_prob", prompt_template="{prompt}: yes or no?",
+                    top_logprobs=5)
+    with caplog.at_level(logging.WARNING, logger="rewards.remote"):
+        got = r(images[:4], PROMPTS[:4])
+    assert got[[0, 1, 3]].tolist() == pytest.approx([0.7 / 0.9] * 3, rel=1e-6)
+    assert math.isnan(got[2]) and r.missing_logprobs_total == 1 and "sample 2" in caplog.text
+    assert server.bodies[0]["logprobs"] is True and server.bodies[0]["top_logprobs"] == 5
+    r = RemoteJudge(server.base_url, model="m", scoring="expected_score", score_range=[0, 10])
+    got = r(images[:2], ["sample 0", "sample 1"])
+    assert got.tolist() == pytest.approx([(7 * 0.5 + 8 * 0.3) / 0.8 / 10] * 2, rel=1e-6)
+    none = judge(top_logprobs=lambda text, score: [("maybe", 0.0)])  # none of the tokens: NaN, not a guess
+    assert torch.isnan(RemoteJudge(none.base_url, model="m", scoring="yes_prob")(images[:1], PROMPTS[:1])).all()
+
+
+def test_remote_per_request_seeds_follow_iteration_and_sample_index(judge, images):
+    from pretrain.seeding import seed_for
+
+    server = judge()
+    r = RemoteJudge(server.base_url, model="m", seed=7, max_concurrency=1, temperature=1.0)
+    r(images[:3], PROMPTS[:3], {"sample_ids": torch.tensor([4, 5, 6]), "iteration": 2})
+    sent = [b["seed"] for b in server.bodies]
+    assert sent == [seed_for(7, 2, i) % (1 << 31) for i in (4, 5, 6)] and len(set(sent)) == 3
+    r(images[:1], PROMPTS[:1], {"sample_ids": torch.tensor([4]), "iteration": 3})
+    assert server.bodies[-1]["seed"] not in sent  # another iteration, another seed
+    RemoteJudge(server.base_url, model="m")(images[:1], PROMPTS[:1])
+    assert "seed" not in server.bodies[-1] and "logprobs" not in server.bodies[-1]  # off by default
+    with pytest.raises(ValueError, match="scoring must be one of text, yes_prob, expected_score"):
+        RemoteJudge(server.base_url, model="m", scoring="logits")
