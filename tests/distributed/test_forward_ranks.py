@@ -30,7 +30,7 @@ REWARD_TOL = 1e-6  # max |reward difference| in iteration 2
 WEIGHT_TOL = 1e-4
 CASES = {"nft": (), "awm": (), "dgpo": (), "nft_full": ("policy.lora_rank=0",),
          "nft_sp": ("parallel.sp=2",), "dgpo_tp": ("parallel.tp=2",)}
-LONG = {"nft_sp", "dgpo_tp"}  # make test keeps the data-parallel forms
+LONG = {"awm", "nft_sp", "dgpo_tp"}  # make test keeps NFT (LoRA, full) and DGPO on 2 data-parallel ranks
 
 
 def _forward(rank, world, export, run_dir, loss, overrides):
