@@ -38,8 +38,8 @@ class OldPolicy(ShadowWeights):
     """The old policy: a copy of ``model``'s trainable weights (:class:`pretrain.runtime.shadow.ShadowWeights`:
     with LoRA, the adapter's size, not a model copy; under FSDP2 this rank's shards) that follows the
     policy's by :class:`OldDecay`. It runs as the policy's model with the copy swapped in
-    (:meth:`swapped`: the frozen base is shared). Checkpointed (``state_dict``: each rank's local
-    tensors) with the run, so a resume continues with the same old weights."""
+    (:meth:`swapped`: the frozen base is shared). Checkpointed (``state_dict``: DTensors under FSDP2,
+    so DCP reshards them on another world size) with the run, so a resume continues with the same old weights."""
 
     def __init__(self, model: torch.nn.Module, decay: OldDecay):
         super().__init__(model)
