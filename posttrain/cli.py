@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -184,6 +185,7 @@ DESCRIPTION = ("Pretrain flow-matching image and video models, post-train them w
                "configs. Exit codes: 0 success, 2 config/usage error (the message names the file and key), 1 run "
                "failure.")
 RESUME_AUTO = "--resume=auto"
+RANK0_PRINT_GRACE_S = 3.0  # seconds a rank other than 0 waits before exiting on a config error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         if _rank() == 0:
             print(f"config error: {e}", file=sys.stderr)
         _record_for_torchrun(f"config error: {e}")  # every rank: the launcher names whichever failed first
+        if _rank() != 0:  # the launcher stops every rank when the first exits: let rank 0 print first
+            time.sleep(RANK0_PRINT_GRACE_S)
         return 2
     except Exception as e:
         if not _run_failure(e):
