@@ -138,30 +138,30 @@ def shared_text_features(path: str | None, max_length: int, device: str) -> Text
     return TextFeatures(path, max_length, device)
 
 
-def save_learned_clip(net: ClipNet, folder: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` to ``folder`` (created); returns it."""
+def save_learned_clip(net: ClipNet, folder: str | Path, fmt: str = FORMAT) -> Path:
+    """Write ``config.json`` (tagged ``fmt``) + ``model.safetensors`` to ``folder`` (created); returns it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"format": FORMAT, **asdict(net.cfg)}, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps({"format": fmt, **asdict(net.cfg)}, indent=2) + "\n")
     return folder
 
 
-def load_learned_clip(folder: str | Path, device: str = "cpu") -> ClipNet:
-    """The frozen ``ClipNet`` saved in ``folder``. ``FileNotFoundError`` for a missing file,
-    ``ValueError`` for another format or mismatching weights."""
+def load_learned_clip(folder: str | Path, device: str = "cpu", cls: type = ClipNet, fmt: str = FORMAT) -> ClipNet:
+    """The frozen ``cls`` (a ``ClipNet``) saved in ``folder`` with format tag ``fmt``. ``FileNotFoundError``
+    for a missing file, ``ValueError`` for another format or mismatching weights."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     for name in ("config.json", "model.safetensors"):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"learned_clip: {folder / name} not found (write it with posttrain train-reward)")
+            raise FileNotFoundError(f"{fmt.split('/')[0]}: {folder / name} not found (write it with posttrain train-reward)")
     raw = json.loads((folder / "config.json").read_text())
-    if raw.pop("format", None) != FORMAT:
-        raise ValueError(f"learned_clip: {folder / 'config.json'} is not a {FORMAT} config")
-    net = ClipNet(LearnedClipConfig(**raw))
+    if raw.pop("format", None) != fmt:
+        raise ValueError(f"{fmt.split('/')[0]}: {folder / 'config.json'} is not a {fmt} config")
+    net = cls(LearnedClipConfig(**raw))
     net.load_state_dict(load_file(str(folder / "model.safetensors")))
     return freeze(net, device)
 

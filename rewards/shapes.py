@@ -3,8 +3,8 @@
 Detection is geometry, not a learned model: each pixel is read as a mix of white and one palette colour
 (:meth:`ShapesJudge.pixel_labels`); connected components of each colour (4-connected,
 ``scipy.ndimage.label``) of at least ``min_area`` pixels are objects; an object's shape comes from its
-mask's geometry (a triangle has little of its area in its box's top half, a square fills its box, a disc
-about pi / 4 of it); its position is its centroid. The prompt's requirements come from its
+mask's geometry (a triangle has little of its area in its box's top half, a square fills its box's
+corners, a disc leaves them empty); its position is its centroid. The prompt's requirements come from its
 :class:`~pretrain.data.shapes.SceneSpec` (a table lookup of the caption), so a caption and its check cannot
 disagree.
 
@@ -65,15 +65,15 @@ class ShapesJudge:
     image scaled from 32 px: ``max_distance`` of a pixel from its white-colour mix (see
     :meth:`pixel_labels`), ``min_area`` of an object (at 32 px; rendered objects have 50-144 px), its
     bounding box at most ``max_side`` of the image side (rendered: at most 0.375), the shape rules'
-    ``max_top_share``, ``min_square_fill``, ``min_disc_fill`` and ``max_aspect`` (:meth:`_shape`), and the
+    ``max_top_share``, ``min_corner_fill``, ``min_disc_fill`` and ``max_aspect`` (:meth:`_shape`), and the
     ``min_background`` / ``max_unknown`` fractions of the image below which it is degenerate."""
 
     def __init__(self, max_distance: float = 60.0, min_area: int = 24, max_side: float = 0.5, max_top_share: float = 0.4,
-                 min_square_fill: float = 0.92, min_disc_fill: float = 0.6, max_aspect: float = 1.6,
+                 min_corner_fill: float = 0.35, min_disc_fill: float = 0.5, max_aspect: float = 1.6,
                  min_background: float = 0.3, max_unknown: float = 0.3):
         self.max_distance, self.min_area, self.max_aspect = max_distance, min_area, max_aspect
         self.max_side = max_side
-        self.max_top_share, self.min_square_fill, self.min_disc_fill = max_top_share, min_square_fill, min_disc_fill
+        self.max_top_share, self.min_corner_fill, self.min_disc_fill = max_top_share, min_corner_fill, min_disc_fill
         self.min_background, self.max_unknown = min_background, max_unknown
 
     def detect(self, image: np.ndarray) -> list[Detected] | None:
@@ -117,10 +117,16 @@ class ShapesJudge:
         return np.where((alpha < 0.5).all(-1), _BG, label)
 
     def _shape(self, mask: np.ndarray) -> tuple[str | None, float, float]:
-        """(shape or None, fill, top share) of a component's bool mask cropped to its bounding box: a
-        triangle has under ``max_top_share`` of its area in the box's top half (a quarter when sharp), a
-        square fills at least ``min_square_fill`` of its box (a disc fills pi / 4), a disc at least
-        ``min_disc_fill``; a box whose sides differ by more than ``max_aspect`` is no shape."""
+        """(shape or None, fill, top share) of a component's bool mask cropped to its bounding box, its
+        holes filled (speckle inside an object is not its outline): a triangle has under
+        ``max_top_share`` of its area in the box's top half (a quarter when sharp); otherwise a square
+        fills at least ``min_corner_fill`` of the box's corners (the box outside its inscribed ellipse:
+        all of them for a square, none for a disc, so a square with ragged or rounded corners is still
+        one), a disc fills less and at least ``min_disc_fill`` of its box (pi / 4 when sharp); a box
+        whose sides differ by more than ``max_aspect`` is no shape."""
+        from scipy import ndimage
+
+        mask = ndimage.binary_fill_holes(mask)
         h, w = mask.shape
         area = mask.sum()
         fill = float(area / (h * w))
@@ -129,7 +135,9 @@ class ShapesJudge:
             return None, fill, top
         if top < self.max_top_share:
             return "triangle", fill, top
-        if fill >= self.min_square_fill:
+        yy, xx = np.mgrid[0:h, 0:w] + 0.5
+        corners = ((2 * yy / h - 1) ** 2 + (2 * xx / w - 1) ** 2) > 1
+        if not corners.any() or mask[corners].mean() >= self.min_corner_fill:
             return "square", fill, top
         return ("circle" if fill >= self.min_disc_fill else None), fill, top
 

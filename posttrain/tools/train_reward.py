@@ -1,6 +1,10 @@
-"""`posttrain train-reward CONFIG`: train the ``learned_clip`` reward model (rewards/learned_clip.py)
-contrastively on the emoji training split (optionally one hash half of it, ``data.train_half``), report
-held-out image->text retrieval top-1 / top-5 and save it as a folder the reward loads.
+"""`posttrain train-reward CONFIG`: train a small reward model and save it as a folder a reward loads.
+
+``objective: contrastive`` (default): the ``learned_clip`` model (rewards/learned_clip.py), contrastively
+on the emoji training split (optionally one hash half of it, ``data.train_half``); reports held-out
+image->text retrieval top-1 / top-5. ``objective: judge``: the ``learned_judge`` stand-in
+(rewards/learned_judge.py) regressed on an exact judge's scores of rendered and generated images
+(:mod:`posttrain.tools.train_judge`); reports its agreement with the judge on held-out prompts.
 
 Outputs under ``out_dir``: ``model/`` (config.json + model.safetensors), ``metrics.jsonl`` (one object
 per epoch), ``metrics.json`` (final), ``config.yaml`` (resolved).
@@ -8,6 +12,7 @@ per epoch), ``metrics.json`` (final), ``config.yaml`` (resolved).
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -55,17 +60,54 @@ class RewardTrainSection:
             raise ValueError(f"{prefix}shift/noise: must be >= 0, got {self.shift}/{self.noise}")
 
 
+#: objective -> "module:function" training a reward model from a TrainRewardConfig.
+OBJECTIVES = {"contrastive": "posttrain.tools.train_reward:train_contrastive",
+              "judge": "posttrain.tools.train_judge:train_judge"}
+
+
+@dataclass
+class JudgeTargetSection:
+    """``objective: judge``: what the stand-in learns from. ``reward``: the exact judge, a registered
+    reward whose score of an (image, caption) pair, in [0, 1], is the target (``shapes``: the partial
+    score). ``mismatched``: captions per training render besides its own, drawn from the other training
+    captions (the judge scores these graded negatives too). ``generated_from``: an export folder whose ODE
+    samples are added: ``generated`` images on training captions and ``heldout_generated`` on the
+    held-out prompts (for the report only), ``num_inference_steps`` steps at ``guidance_scale``, noise
+    from ``seed``, ``batch_size`` per sampling call."""
+
+    reward: str = "shapes"
+    mismatched: int = 1
+    generated_from: str | None = None
+    generated: int = 1024
+    heldout_generated: int = 192
+    num_inference_steps: int = 20
+    guidance_scale: float = 4.0
+    seed: int = 0
+    batch_size: int = 64
+
+    def validate(self, prefix: str = "") -> None:
+        require_positive(self, prefix, "num_inference_steps", "batch_size")
+        if self.mismatched < 0 or self.generated < 0 or self.heldout_generated < 0:
+            raise ValueError(f"{prefix}mismatched/generated/heldout_generated: must be >= 0, got "
+                             f"{self.mismatched}/{self.generated}/{self.heldout_generated}")
+
+
 @dataclass
 class TrainRewardConfig:
-    """``out_dir``: where the model folder and metrics go; ``data``: the project's dataset config
-    (``train_half`` picks a half of the train emoji); ``model``: the learned_clip architecture."""
+    """``out_dir``: where the model folder and metrics go; ``objective``: a key of :data:`OBJECTIVES`;
+    ``data``: the project's dataset config (``train_half`` picks a half of the train emoji); ``model``:
+    the towers' architecture; ``judge``: the targets of ``objective: judge``."""
 
     out_dir: str = "runs/reward/learned_clip"
+    objective: str = "contrastive"
     data: DataConfig = field(default_factory=DataConfig)
     model: LearnedClipConfig = field(default_factory=LearnedClipConfig)
     train: RewardTrainSection = field(default_factory=RewardTrainSection)
+    judge: JudgeTargetSection = field(default_factory=JudgeTargetSection)
 
     def validate(self, prefix: str = "") -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"{prefix}objective: unknown '{self.objective}' (known: {', '.join(OBJECTIVES)})")
         if self.data.train_half not in (None, 0, 1):
             raise ValueError(f"{prefix}data.train_half: must be 0, 1 or null, got {self.data.train_half}")
         require_positive(self.model, f"{prefix}model.", "image_size", "width", "embed_dim", "text_max_length")
@@ -108,9 +150,11 @@ def _lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def fit(net: ClipNet, images: torch.Tensor, features: torch.Tensor, cfg: RewardTrainSection, on_epoch=None) -> list[float]:
-    """Train ``net`` in place on pairs (``images`` float ``[N, 3, H, W]`` in [0, 1], ``features``
-    ``[N, 384]``); returns the mean loss of each epoch. ``on_epoch(epoch, loss)`` is called after each."""
+def fit(net: torch.nn.Module, images: torch.Tensor, cfg: RewardTrainSection, loss_fn, on_epoch=None) -> list[float]:
+    """Train ``net`` in place over ``images`` (float ``[N, 3, H, W]`` in [0, 1]) in shuffled full batches,
+    each augmented (:func:`augment`); ``loss_fn(net, x, idx)`` is the loss of the augmented batch ``x``
+    whose rows are ``idx`` (e.g. the contrastive loss against ``features[idx]``). Returns the mean loss of
+    each epoch; ``on_epoch(epoch, loss)`` is called after each."""
     torch.manual_seed(cfg.seed)
     n = images.shape[0]
     bs = min(cfg.batch_size, n)
@@ -126,8 +170,7 @@ def fit(net: ClipNet, images: torch.Tensor, features: torch.Tensor, cfg: RewardT
         acc = 0.0
         for b in range(per_epoch):  # full batches only: every batch has bs - 1 negatives per pair
             idx = perm[b * bs:(b + 1) * bs]
-            x = augment(images[idx], cfg.shift, cfg.noise, gen)
-            loss = contrastive_loss(net.image_embeds(x), net.text_embeds(features[idx]), net.scale())
+            loss = loss_fn(net, augment(images[idx], cfg.shift, cfg.noise, gen), idx)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -141,7 +184,14 @@ def fit(net: ClipNet, images: torch.Tensor, features: torch.Tensor, cfg: RewardT
 
 
 def train_reward(cfg: TrainRewardConfig) -> dict:
-    """Train, evaluate and save; returns the final metrics (also written to ``out_dir/metrics.json``):
+    """Train the reward model of ``cfg.objective`` (:data:`OBJECTIVES`), evaluate and save it; returns its
+    final metrics (also written to ``out_dir/metrics.json``)."""
+    module, _, name = OBJECTIVES[cfg.objective].partition(":")
+    return getattr(importlib.import_module(module), name)(cfg)
+
+
+def train_contrastive(cfg: TrainRewardConfig) -> dict:
+    """``objective: contrastive``: train, evaluate and save; returns the final metrics (also written to ``out_dir/metrics.json``):
     ``heldout`` and ``train`` retrieval dicts (see ``retrieval``), ``loss_first``/``loss_last``,
     ``seconds``, ``model`` (the saved folder)."""
     t0 = time.perf_counter()
@@ -168,7 +218,8 @@ def train_reward(cfg: TrainRewardConfig) -> dict:
         lines.flush()
         log.info("epoch %d: %s", epoch + 1, row)
 
-    losses = fit(net, tr_x, tr_f, cfg.train, on_epoch)
+    losses = fit(net, tr_x, cfg.train, lambda net, x, idx: contrastive_loss(
+        net.image_embeds(x), net.text_embeds(tr_f[idx]), net.scale()), on_epoch)
     lines.close()
     sub = torch.arange(0, len(train), max(1, len(train) // 512))[:512]  # a train subset of held-out size scale
     metrics = {"heldout": retrieval(net, he_x, he_f, held.captions),

@@ -40,7 +40,8 @@ class DataConfig:
     emoji with ``motions_per_emoji`` motions, :mod:`pretrain.data.moving_emoji`), "prompts" (``path``: a .txt file of prompts, one per line, or a folder
     with train.txt and test.txt; no images; encoded per batch, see :mod:`pretrain.data.prompts`) or
     "shapes" (``scenes`` rendered compositional scenes for training and ``heldout_per_category`` held-out
-    prompts per GenEval category, :mod:`pretrain.data.shapes`). ``size``: image side in pixels.
+    prompts per GenEval category, :mod:`pretrain.data.shapes`; ``layout``: "random" cells or "reading"
+    order, :func:`pretrain.data.shapes.layout`). ``size``: image side in pixels.
     ``heldout_fraction``: share of base emoji (or files) held out; for "shapes", the share of counting,
     position and colour-attribution compositions never rendered for training. ``limit``: keep only the first N train / N//8 held-out samples (tests).
     ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
@@ -58,6 +59,7 @@ class DataConfig:
     motions_per_emoji: int = 1
     scenes: int = 16384
     heldout_per_category: int = 32
+    layout: str = "random"
 
     def validate(self, prefix: str = "") -> None:
         """``ValueError`` naming ``<prefix>source`` (unknown), ``<prefix>path`` (missing for "folder" or
@@ -81,6 +83,8 @@ class DataConfig:
         if self.source == "shapes" and (self.scenes < 1 or self.heldout_per_category < 1 or self.size < 16):
             raise ValueError(f"{prefix}scenes, {prefix}heldout_per_category: must be >= 1 and {prefix}size >= 16 "
                              f"for source 'shapes', got {self.scenes}, {self.heldout_per_category}, {self.size}")
+        if self.layout not in shapes.LAYOUTS:
+            raise ValueError(f"{prefix}layout: unknown '{self.layout}' (known: {', '.join(shapes.LAYOUTS)})")
         if self.train_half not in (None, 0, 1):
             raise ValueError(f"{prefix}train_half: must be 0, 1 or null, got {self.train_half}")
 
@@ -184,7 +188,8 @@ def load_shapes(cfg: DataConfig) -> dict:
     ``images`` uint8 ``[N, 3, S, S]``, ``captions`` and ``heldout`` (0/1 per row). Train rows are
     ``cfg.scenes`` renders of specs drawn by category (:func:`pretrain.data.shapes.draw_specs`, seed 0); held-out
     rows are one render each of :func:`pretrain.data.shapes.heldout_specs` with seeds the train rows never use."""
-    key = f"shapes-{shapes.VERSION}_{cfg.size}px_n{cfg.scenes}_h{cfg.heldout_per_category}_f{cfg.heldout_fraction:g}"
+    key = (f"shapes-{shapes.VERSION}_{cfg.size}px_n{cfg.scenes}_h{cfg.heldout_per_category}_f{cfg.heldout_fraction:g}"
+           + ("" if cfg.layout == "random" else f"_{cfg.layout}"))
     path = _cache_file(cfg, key)
     cached = _read_cache(path, ("images", "heldout"), ("captions",))
     if cached is not None:
@@ -194,7 +199,7 @@ def load_shapes(cfg: DataConfig) -> dict:
     held = shapes.heldout_specs(novel, seen, cfg.heldout_per_category)
     specs_seeds = [(s, i) for i, s in enumerate(train)] + [(s, 1_000_000_000 + i) for i, s in enumerate(held)]
     images = torch.from_numpy(np.stack([
-        shapes.render_spec(s, cfg.size, seed)[0]
+        shapes.render_spec(s, cfg.size, seed, cfg.layout)[0]
         for s, seed in tqdm(specs_seeds, desc=f"rendering {len(specs_seeds)} shape scenes", leave=False,
                             disable=len(specs_seeds) < 1024, dynamic_ncols=True)]))
     heldout = torch.tensor([0] * len(train) + [1] * len(held), dtype=torch.uint8)

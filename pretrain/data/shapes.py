@@ -157,26 +157,34 @@ def _objects_to_place(spec: SceneSpec, rng: np.random.Generator) -> list[tuple[s
     return out
 
 
-def _cells(spec: SceneSpec, n: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+LAYOUTS = ("random", "reading")
+
+
+def _cells(spec: SceneSpec, n: int, rng: np.random.Generator, order: str = "random") -> list[tuple[int, int]]:
     """``n`` distinct (row, col) cells of the 2 x 2 grid; for a position spec the first two are a pair in
-    one row (left / right of) or one column (above / below) in the relation's order."""
+    one row (left / right of) or one column (above / below) in the relation's order. ``order``: "random"
+    (random cells; a random row or column for a pair) or "reading" (cells in reading order; a pair in
+    the top row or the left column)."""
     if spec.relation:
-        k = int(rng.integers(2))
+        k = int(rng.integers(2)) if order == "random" else 0
         first, second = ((k, 0), (k, 1)) if spec.relation in ("left of", "right of") else ((0, k), (1, k))
         return [first, second] if spec.relation in ("left of", "above") else [second, first]
-    order = rng.permutation(4)[:n]
-    return [(int(c) // 2, int(c) % 2) for c in order]
+    cells = rng.permutation(4)[:n] if order == "random" else range(n)
+    return [(int(c) // 2, int(c) % 2) for c in cells]
 
 
-def layout(spec: SceneSpec, size: int, rng: np.random.Generator) -> list[Placed]:
+def layout(spec: SceneSpec, size: int, rng: np.random.Generator, order: str = "random") -> list[Placed]:
     """Placements for ``spec`` on a ``size`` px canvas split in a 2 x 2 grid of cells: one object per
     cell, its side between 0.31 and 0.375 of ``size`` (10-12 px at 32 px), centred in its cell with a
     jitter of up to ``size // 32`` px, so objects stay at least 2 px apart at 32 px. A position spec's
-    pair shares a row (left / right of) or a column (above / below); the rest take random cells."""
+    pair shares a row (left / right of) or a column (above / below); the cells follow ``order`` (see
+    :func:`_cells`; ``ValueError`` for another)."""
+    if order not in LAYOUTS:
+        raise ValueError(f"unknown shapes layout '{order}' (known: {LAYOUTS})")
     objs = _objects_to_place(spec, rng)
     cell, jitter = size // 2, max(1, size // 32)
     placed = []
-    for (shape, colour), (r, c) in zip(objs, _cells(spec, len(objs), rng)):
+    for (shape, colour), (r, c) in zip(objs, _cells(spec, len(objs), rng, order)):
         s = int(rng.integers(round(0.31 * size), round(0.375 * size) + 1))
         dy, dx = (int(v) for v in rng.integers(-jitter, jitter + 1, size=2))
         placed.append(Placed(shape, colour, r * cell + (cell - s) // 2 + dy, c * cell + (cell - s) // 2 + dx, s))
@@ -197,10 +205,11 @@ def render(objects: list[Placed], size: int, oversample: int = 4) -> np.ndarray:
     return np.round(small).astype(np.uint8).transpose(2, 0, 1)
 
 
-def render_spec(spec: SceneSpec, size: int, seed: int) -> tuple[np.ndarray, list[Placed]]:
-    """A deterministic render of ``spec`` from ``seed``: (uint8 ``[3, size, size]``, its placements)."""
+def render_spec(spec: SceneSpec, size: int, seed: int, order: str = "random") -> tuple[np.ndarray, list[Placed]]:
+    """A deterministic render of ``spec`` from ``seed`` with cells in ``order`` (:func:`layout`): (uint8
+    ``[3, size, size]``, its placements)."""
     rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha256(spec.caption.encode()).digest()[:4], "big")])
-    objs = layout(spec, size, rng)
+    objs = layout(spec, size, rng, order)
     return render(objs, size), objs
 
 

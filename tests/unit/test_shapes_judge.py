@@ -97,6 +97,25 @@ def test_swapped_binding_fails_the_colours():
     assert v.strict == 0.0 and v.items == {"0:shape": 1.0, "0:colour": 0.0, "1:shape": 1.0, "1:colour": 0.0}
 
 
+def test_ragged_squares_stay_squares_and_ragged_discs_stay_circles():
+    """Samples draw shapes with ragged outlines and speckle inside: a square with three corners chipped
+    off and holes inside (fill 0.89 of its box) still fills most of its box's corners; a disc with a one-pixel bump leaves them
+    nearly empty."""
+    square = _scene(g.Placed("square", "blue", 10, 10, 12)).astype(np.float32)
+    square[:, 10:12, 10:12] = 255  # the top-left corner chipped off (2 x 2 px)
+    square[:, 20:22, 20:22] = 255  # and the bottom-right and top-right ones
+    square[:, 10:12, 20:22] = 255
+    square[:, 14, 13] = square[:, 17, 18] = square[:, 15, 16] = square[:, 18, 14] = 255  # speckle inside
+    v = _judge(square, "a blue square")
+    assert v.strict == 1.0 and [o.shape for o in v.objects] == ["square"]
+    disc = _scene(g.Placed("circle", "red", 10, 10, 12)).astype(np.float32)
+    disc[:, 11, 15:17] = np.array(g.COLOURS["red"], np.float32)[:, None]  # a bump on the top edge
+    disc[:, 16, 15] = 255
+    v = _judge(disc, "a red circle")
+    assert v.strict == 1.0 and [o.shape for o in v.objects] == ["circle"]
+    assert _judge(disc, "a red square").strict == 0.0 and _judge(square, "a blue circle").strict == 0.0
+
+
 @pytest.mark.parametrize("kind", ["blank", "noise", "one colour", "black", "nan"])
 def test_degenerate_images_score_zero_never_nan(kind):
     rng = np.random.default_rng(1)
@@ -146,3 +165,19 @@ def test_render_is_deterministic_and_layouts_keep_their_relation():
     (ay, ax), (by, bx) = objs[0].centre, objs[1].centre
     assert by - ay > 0 and abs(by - ay) >= 2 * abs(bx - ax)
     assert math.isclose(g.shape_mask("circle", 40).mean(), math.pi / 4, abs_tol=0.01)
+
+
+def test_reading_layout_fills_cells_in_order_and_is_judged_exactly():
+    specs = g.draw_specs(list(g.all_specs()), 300, seed=98)
+    for i, spec in enumerate(specs):
+        img, placed = g.render_spec(spec, 32, FRESH_SEED + 10_000 + i, "reading")
+        cells = [(round(p.centre[0]) // 16, round(p.centre[1]) // 16) for p in placed]
+        if spec.relation in ("left of", "right of"):
+            assert sorted(cells) == [(0, 0), (0, 1)], (spec.caption, cells)
+        elif spec.relation:
+            assert sorted(cells) == [(0, 0), (1, 0)], (spec.caption, cells)
+        else:
+            assert cells == [(k // 2, k % 2) for k in range(len(placed))], (spec.caption, cells)
+        assert ShapesJudge().judge(img, spec.caption).strict == 1.0, spec.caption
+    with pytest.raises(ValueError, match="layout"):
+        g.render_spec(specs[0], 32, 0, "spiral")

@@ -1,0 +1,152 @@
+"""``posttrain train-reward`` with ``objective: judge``: the ``learned_judge`` stand-in
+(:mod:`rewards.learned_judge`) regressed on an exact judge's scores.
+
+Training pairs: every training render with its own caption and ``judge.mismatched`` other training
+captions (the judge's partial score of a render against another caption is graded: the right shape in
+the wrong colour scores in between), plus, with ``judge.generated_from``, ODE samples of that export on
+training captions with the judge's scores of them (the images a policy starts from). Loss: binary
+cross-entropy of the predicted score against the judge's score as a soft target.
+
+Metrics (``metrics.json``): for held-out renders (own and mismatched captions) and, with an export,
+held-out generated images: the Pearson correlation of the stand-in's score with the judge's, the mean
+absolute error, and both means.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pretrain.config import save_config
+from pretrain.data.dataset import build_datasets
+from pretrain.text_encoder import NoTextEmbeds
+from rewards.base import build_reward
+from rewards.learned_clip import TextFeatures
+from rewards.learned_judge import JudgeNet, save_learned_judge
+from posttrain.tools.train_reward import TrainRewardConfig, fit
+
+log = logging.getLogger(__name__)
+
+
+def with_mismatched(n: int, captions: list[str], pool: list[str], k: int, seed: int) -> tuple[list[int], list[str]]:
+    """Pairs (image index, caption): each of ``n`` images with its own ``captions[i]``, then ``k`` captions
+    drawn from ``pool`` that differ from it (seeded), in image order."""
+    gen = torch.Generator().manual_seed(seed)
+    idx, caps = [], []
+    for i in range(n):
+        idx.append(i)
+        caps.append(captions[i])
+        draws = torch.randint(len(pool), (4 * k + 4,), generator=gen).tolist()
+        others = [pool[j] for j in draws if pool[j] != captions[i]][:k]
+        idx += [i] * len(others)
+        caps += others
+    return idx, caps
+
+
+@torch.no_grad()
+def sample_export(export: str, prompts: list[str], cfg, seed: int) -> torch.Tensor:
+    """ODE samples of the export folder ``export``, one per prompt: float32 ``[N, 3, H, W]`` in [0, 1].
+    ``FileNotFoundError`` naming ``judge.generated_from`` when it is not an export."""
+    from pretrain.export import META, load_exported
+    from pretrain.sampling import initial_noise, sample_latents
+
+    if not (Path(export) / META).is_file():
+        raise FileNotFoundError(f"judge.generated_from: '{export}' is not an export folder (no {META}; "
+                                f"run the pretrain stage first)")
+    model, encoder, codec, meta = load_exported(export)
+    model.eval()
+    size, null = meta["image_size"], encoder.encode([""])
+    noise = initial_noise(len(prompts), codec.latent_shape(size, size), seed)
+    out = []
+    for s in tqdm(range(0, len(prompts), cfg.batch_size), desc=f"sampling {len(prompts)} images", leave=False,
+                  dynamic_ncols=True):
+        chunk = prompts[s:s + cfg.batch_size]
+        lat = sample_latents(model, encoder.encode(chunk), null, noise[s:s + len(chunk)], cfg.num_inference_steps,
+                             cfg.guidance_scale, meta["sampling"]["shift"])
+        out.append(codec.decode(lat).float().clamp(0, 1).cpu())
+    return torch.cat(out) if out else torch.zeros(0, 3, size, size)
+
+
+def agreement(pred: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+    """``{"pearson", "mae", "mean_pred", "mean_judge", "n"}`` of predicted against judged scores ``[N]``."""
+    p, t = pred.double(), target.double()
+    r = torch.corrcoef(torch.stack([p, t]))[0, 1] if len(p) > 1 else torch.tensor(float("nan"))
+    return {"pearson": float(r), "mae": float((p - t).abs().mean()), "mean_pred": float(p.mean()),
+            "mean_judge": float(t.mean()), "n": len(p)}
+
+
+@torch.no_grad()
+def predict(net: JudgeNet, images: torch.Tensor, features: torch.Tensor, batch: int = 512) -> torch.Tensor:
+    net.eval()
+    return torch.cat([torch.sigmoid(net.logits(images[i:i + batch], features[i:i + batch]))
+                      for i in range(0, len(images), batch)])
+
+
+def train_judge(cfg: TrainRewardConfig) -> dict:
+    """Build the pairs, score them with the judge, train and save the stand-in; returns the metrics (also
+    in ``out_dir/metrics.json``; the model folder under ``model``)."""
+    t0 = time.perf_counter()
+    torch.set_num_threads(cfg.train.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    jc = cfg.judge
+    judge = build_reward(jc.reward)
+    train, held = build_datasets(cfg.data, NoTextEmbeds())
+    pool = sorted(set(train.captions))
+
+    def pairs(images: torch.Tensor, captions: list[str], k: int, seed: int):
+        idx, caps = with_mismatched(len(captions), captions, pool, k, seed)
+        x = images[torch.as_tensor(idx)]
+        x = x.float() / 255 if x.dtype == torch.uint8 else x
+        return x, caps, judge(x, caps, None).float()
+
+    sets = {"train": pairs(train.images, train.captions, jc.mismatched, jc.seed),
+            "heldout_renders": pairs(held.images, held.captions, 1, jc.seed + 1)}
+    if jc.generated_from:
+        tr_prompts = [train.captions[i] for i in torch.randperm(len(train), generator=torch.Generator().manual_seed(
+            jc.seed))[:jc.generated].tolist()]
+        he_prompts = [held.captions[i % len(held)] for i in range(jc.heldout_generated)]
+        log.info("learned_judge: sampling %d + %d images from %s", len(tr_prompts), len(he_prompts), jc.generated_from)
+        size = train.images.shape[-1]  # samples of another resolution are resized to the renders'
+        gen_tr, gen_he = (F.interpolate(sample_export(jc.generated_from, p, jc, seed), size=(size, size),
+                                        mode="bilinear", antialias=True, align_corners=False).clamp(0, 1)
+                          for p, seed in ((tr_prompts, jc.seed), (he_prompts, jc.seed + 10_000_000)))
+        sets["generated"] = (gen_tr, tr_prompts, judge(gen_tr, tr_prompts, None).float())
+        sets["heldout_generated"] = (gen_he, he_prompts, judge(gen_he, he_prompts, None).float())
+    fit_sets = [sets[k] for k in ("train", "generated") if k in sets]
+    x = torch.cat([s[0] for s in fit_sets])
+    caps = [c for s in fit_sets for c in s[1]]
+    y = torch.cat([s[2] for s in fit_sets])
+    text = TextFeatures(cfg.model.text_path, cfg.model.text_max_length)
+    feats = text(caps)
+    torch.manual_seed(cfg.train.seed)
+    net = JudgeNet(cfg.model, text.dim)
+    log.info("learned_judge: %d training pairs (mean judge score %.3f), %.2f M trainable params", len(y),
+             float(y.mean()), sum(p.numel() for p in net.parameters()) / 1e6)
+    report = {k: (s[0], text(s[1]), s[2]) for k, s in sets.items() if k.startswith("heldout")}
+    lines = open(out / "metrics.jsonl", "w")
+
+    def on_epoch(epoch, loss):
+        row = {"epoch": epoch + 1, "loss": loss}
+        if (epoch + 1) % cfg.train.eval_every == 0 or epoch + 1 == cfg.train.epochs:
+            row.update({k: agreement(predict(net, xi, fi), yi)["pearson"] for k, (xi, fi, yi) in report.items()})
+            net.train()
+        lines.write(json.dumps(row) + "\n")
+        lines.flush()
+        log.info("epoch %d: %s", epoch + 1, row)
+
+    losses = fit(net, x, cfg.train, lambda net, xb, idx: F.binary_cross_entropy_with_logits(
+        net.logits(xb, feats[idx]), y[idx]), on_epoch)
+    lines.close()
+    metrics = {k: agreement(predict(net, xi, fi), yi) for k, (xi, fi, yi) in report.items()}
+    metrics.update({"loss_first": losses[0], "loss_last": losses[-1], "train_pairs": len(y),
+                    "model": str(save_learned_judge(net, out / "model")), "seconds": time.perf_counter() - t0})
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
