@@ -1,11 +1,11 @@
 """The `posttrain` command: train a stage (`posttrain pretrain|grpo|dpo|midtrain CONFIG [key=value ...]`), chain
 stages (`posttrain pipeline CONFIG`), race algorithms on equal wall-clock (`posttrain sweep CONFIG`),
 sample (`posttrain sample MODEL ...`), evaluate (`posttrain eval MODEL [MODEL ...]`), serve rewards
-over HTTP (`posttrain serve-reward CONFIG`), train the learned_clip reward model (`posttrain train-reward
-CONFIG [key=value ...]`), write a run's report with plots (`posttrain report RUN_DIR`), curate a dataset by
-reward scores and near-duplicates (`posttrain curate CONFIG [key=value ...]`), check a cluster's ranks before
-a job (`torchrun --nproc_per_node N -m posttrain doctor [options]`: wrong results, stragglers, slow or failing
-links; exit 1 when anything is flagged).
+over HTTP (`posttrain serve-reward CONFIG`), train a small reward model, learned_clip or the learned_judge
+stand-in (`posttrain train-reward CONFIG [key=value ...]`), write a run's report with plots (`posttrain
+report RUN_DIR`), curate a dataset by reward scores and near-duplicates (`posttrain curate CONFIG
+[key=value ...]`), check a cluster's ranks before a job (`torchrun --nproc_per_node N -m posttrain doctor
+[options]`: wrong results, stragglers, slow or failing links; exit 1 when anything is flagged).
 
 Exit codes: 0 success, 2 config/usage error (message names the file and key), 1 run failure.
 """
@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--max-inflight", type=_positive, default=2,
                     help="requests decoded and scored at once (default %(default)s)")
     sr.set_defaults(func=_serve_reward)
-    tr = sub.add_parser("train-reward", help="train the learned_clip reward model from a YAML config")
+    tr = sub.add_parser("train-reward", help="train a small reward model from a YAML config (learned_clip, or the "
+                        "learned_judge stand-in with objective: judge)")
     tr.add_argument("config", help="YAML file (configs/reward/*.yaml)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=5")
     tr.set_defaults(func=_train_reward)

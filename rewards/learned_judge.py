@@ -9,7 +9,7 @@ whose truth is known for methods that back-propagate a reward.
 
 Model: the ``learned_clip`` towers (:class:`rewards.learned_clip.ClipNet`: a conv image tower, frozen
 MiniLM features with a trainable MLP head, both L2-normalised) and a calibrated score,
-``sigmoid(scale * cos(image, prompt) + bias)`` in (0, 1), trained with binary cross-entropy against the
+``sigmoid(scale * cos(image, prompt) + bias)`` in [0, 1], trained with binary cross-entropy against the
 judge's partial score as a soft target (``posttrain train-reward`` with ``objective: judge``). On disk:
 a ``learned_judge/1`` folder (``config.json`` + ``model.safetensors``).
 """
@@ -55,7 +55,7 @@ def load_learned_judge(folder, device: str = "cpu") -> JudgeNet:
 
 @register("learned_judge")
 class LearnedJudge:
-    """The stand-in's predicted judge score, float32 ``[B]`` in (0, 1).
+    """The stand-in's predicted judge score, float32 ``[B]`` in [0, 1].
 
     Args: ``path``: a folder written by ``posttrain train-reward`` with ``objective: judge``; ``device``.
     Call: images float ``[B, 3, H, W]`` in [0, 1], ``B`` prompts (no gradient); :meth:`score` keeps the
@@ -72,7 +72,7 @@ class LearnedJudge:
         self.truncation = TruncationCounter(self.reward_name, self.net.cfg.text_max_length)
 
     def score(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """float32 ``[B]`` in (0, 1), differentiable in ``images`` (the weights are frozen)."""
+        """float32 ``[B]`` in [0, 1], differentiable in ``images`` (the weights are frozen)."""
         check_images(images, prompts, self.reward_name)
         self.truncation.check(prompts, self.text.token_counts(list(prompts)))
         features = self.text(list(prompts)).to(self.device)

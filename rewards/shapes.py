@@ -31,8 +31,8 @@ from rewards.base import register
 @dataclass(frozen=True)
 class Detected:
     """A detected object: ``shape`` (or None when no template fits), ``colour``, centroid ``(cy, cx)`` in
-    pixels, ``area`` in pixels, ``fill`` (area over bounding-box area) and ``top_share`` (share of the
-    area in the box's top half)."""
+    pixels, ``area`` in pixels, ``fill`` (the hole-filled area over the bounding-box area) and
+    ``top_share`` (share of the hole-filled area in the box's top half)."""
 
     shape: str | None
     colour: str
@@ -123,7 +123,7 @@ class ShapesJudge:
         fills at least ``min_corner_fill`` of the box's corners (the box outside its inscribed ellipse:
         all of them for a square, none for a disc, so a square with ragged or rounded corners is still
         one), a disc fills less and at least ``min_disc_fill`` of its box (pi / 4 when sharp); a box
-        whose sides differ by more than ``max_aspect`` is no shape."""
+        whose sides differ by more than ``max_aspect``, or too small to have corners, is no shape."""
         from scipy import ndimage
 
         mask = ndimage.binary_fill_holes(mask)
@@ -137,7 +137,9 @@ class ShapesJudge:
             return "triangle", fill, top
         yy, xx = np.mgrid[0:h, 0:w] + 0.5
         corners = ((2 * yy / h - 1) ** 2 + (2 * xx / w - 1) ** 2) > 1
-        if not corners.any() or mask[corners].mean() >= self.min_corner_fill:
+        if not corners.any():  # a box of at most 3 x 3 px: too small to tell a square from a disc
+            return None, fill, top
+        if mask[corners].mean() >= self.min_corner_fill:
             return "square", fill, top
         return ("circle" if fill >= self.min_disc_fill else None), fill, top
 

@@ -13,7 +13,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 export HF_HUB_OFFLINE=1
 EXPORT=runs/quickstart/pretrain/export
 if [ ! -f "$EXPORT/posttrain.json" ]; then
-  "$POSTTRAIN" pretrain configs/pretrain/shapes_small.yaml run_dir=runs/quickstart/pretrain
+  "$POSTTRAIN" pretrain configs/pretrain/shapes_small.yaml run_dir=runs/quickstart  # writes $EXPORT
 fi
 if [ ! -f runs/reward/shapes_judge/model/model.safetensors ]; then
   "$POSTTRAIN" train-reward configs/reward/shapes_judge.yaml

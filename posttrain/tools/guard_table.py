@@ -1,7 +1,9 @@
-"""``python -m posttrain.tools.guard_table RUN_DIR``: the guard's checks of a post-training stage as a
+"""``python -m posttrain.tools.guard_table STAGE_DIR``: the guard's checks of a post-training stage as a
 markdown table: per check, the step, the trained reward (``guard/trained``), each guard reward and the
-held-out loss, each as its value and its change from the baseline check, and whether the check failed.
-It answers "did the trained reward and the judges part, and from which step"."""
+held-out loss, each as its value and its change from the baseline check, and how many guards failed
+(``guard/failing``). It answers "did the trained reward and the judges part, and from which step".
+``STAGE_DIR`` is the stage's folder (``<run_dir>/grpo``, holding ``metrics.jsonl``); a run folder
+with one ``grpo`` or ``dpo`` stage folder also works."""
 
 from __future__ import annotations
 
@@ -33,17 +35,39 @@ def guard_table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (len(names) + 2)]
     base = rows[0]
     for r in rows:
-        cells = [f"{r[n]:.4f} ({r[n] - base[n]:+.4f})" if isinstance(r.get(n), (int, float)) else "" for n in names]
+        cells = [_cell(r.get(n), base.get(n)) for n in names]
         lines.append(f"| {r.get('step', '')} | " + " | ".join(cells) + f" | {int(r.get('guard/failing', 0))} |")
     return "\n".join(lines)
+
+
+def _cell(value, base) -> str:
+    """``value (change from base)``; the value alone when the baseline is not a number (a NaN is
+    logged as the string "nan"), empty when the value is not a number either."""
+    if not isinstance(value, (int, float)):
+        return "" if value is None else str(value)
+    if not isinstance(base, (int, float)):
+        return f"{value:.4f}"
+    return f"{value:.4f} ({value - base:+.4f})"
+
+
+def metrics_file(folder: str | Path) -> Path:
+    """``folder/metrics.jsonl``, or that of its one ``grpo`` / ``dpo`` stage folder when ``folder`` is a
+    run folder (the first that exists; the first candidate when none does)."""
+    folder = Path(folder)
+    candidates = [folder / "metrics.jsonl", folder / "grpo" / "metrics.jsonl", folder / "dpo" / "metrics.jsonl"]
+    return next((c for c in candidates if c.is_file()), candidates[0])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m posttrain.tools.guard_table RUN_DIR", file=sys.stderr)
+        print("usage: python -m posttrain.tools.guard_table STAGE_DIR", file=sys.stderr)
         return 2
-    print(guard_table(guard_rows(Path(argv[0]) / "metrics.jsonl")))
+    try:
+        print(guard_table(guard_rows(metrics_file(argv[0]))))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 
 def with_mismatched(n: int, captions: list[str], pool: list[str], k: int, seed: int) -> tuple[list[int], list[str]]:
-    """Pairs (image index, caption): each of ``n`` images with its own ``captions[i]``, then ``k`` captions
-    drawn from ``pool`` that differ from it (seeded), in image order."""
+    """Pairs (image index, caption): each of ``n`` images with its own ``captions[i]``, then up to ``k``
+    captions drawn from ``pool`` that differ from it (seeded; fewer only when the draws keep hitting its
+    own), in image order."""
     gen = torch.Generator().manual_seed(seed)
     idx, caps = [], []
     for i in range(n):

@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class RewardTrainSection:
     """AdamW (``lr``, ``weight_decay``; linear warm-up over ``warmup_frac`` of the steps, then cosine
-    decay to 0) for ``epochs`` over shuffled batches of ``batch_size`` pairs (the InfoNCE negatives).
-    Augmentation of each image: a random translation of up to ``shift`` px (edge pixels repeated) and
-    Gaussian noise of std ``noise``. ``eval_every`` epochs: held-out retrieval is logged."""
+    decay to 0) for ``epochs`` over shuffled batches of ``batch_size`` pairs (for ``objective:
+    contrastive``, the InfoNCE negatives). Augmentation of each image: a random translation of up to
+    ``shift`` px (edge pixels repeated) and Gaussian noise of std ``noise``. ``eval_every`` epochs: the
+    held-out metric is logged (retrieval, or the Pearson r with the judge)."""
 
     epochs: int = 40
     batch_size: int = 256
@@ -53,7 +54,7 @@ class RewardTrainSection:
     def validate(self, prefix: str = "") -> None:
         require_positive(self, prefix, "epochs", "batch_size", "threads", "eval_every")
         if self.batch_size < 2:
-            raise ValueError(f"{prefix}batch_size: contrastive training needs >= 2, got {self.batch_size}")
+            raise ValueError(f"{prefix}batch_size: must be >= 2 (the contrastive negatives), got {self.batch_size}")
         if not 0 < self.lr < float("inf"):
             raise ValueError(f"{prefix}lr: must be a finite number > 0, got {self.lr}")
         if self.shift < 0 or self.noise < 0:
@@ -191,7 +192,8 @@ def train_reward(cfg: TrainRewardConfig) -> dict:
 
 
 def train_contrastive(cfg: TrainRewardConfig) -> dict:
-    """``objective: contrastive``: train, evaluate and save; returns the final metrics (also written to ``out_dir/metrics.json``):
+    """``objective: contrastive``: train, evaluate and save; returns the final metrics (also written to
+    ``out_dir/metrics.json``):
     ``heldout`` and ``train`` retrieval dicts (see ``retrieval``), ``loss_first``/``loss_last``,
     ``seconds``, ``model`` (the saved folder)."""
     t0 = time.perf_counter()

@@ -184,7 +184,7 @@ def load_moving_emoji(cfg: DataConfig) -> dict:
 
 
 def load_shapes(cfg: DataConfig) -> dict:
-    """The shapes set (cached by grammar version, resolution, scene count and held-out share): dict with
+    """The shapes set (cached by grammar version, resolution, scene count, held-out share and layout): dict with
     ``images`` uint8 ``[N, 3, S, S]``, ``captions`` and ``heldout`` (0/1 per row). Train rows are
     ``cfg.scenes`` renders of specs drawn by category (:func:`pretrain.data.shapes.draw_specs`, seed 0); held-out
     rows are one render each of :func:`pretrain.data.shapes.heldout_specs` with seeds the train rows never use."""

@@ -23,3 +23,13 @@ def test_table_lines_and_changes_from_the_baseline(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0 and capsys.readouterr().out.splitlines()[2].startswith("| 0 | 0.5000 (+0.0000)")
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         guard_rows(tmp_path / "nothing" / "metrics.jsonl")
+    assert main([str(tmp_path / "nothing")]) == 2 and "metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "run" / "grpo").mkdir(parents=True)  # a run folder with its stage folder
+    (tmp_path / "run" / "grpo" / "metrics.jsonl").write_text(path.read_text())
+    assert main([str(tmp_path / "run")]) == 0 and "| 4 | 0.7500 (+0.2500)" in capsys.readouterr().out
+
+
+def test_a_nan_baseline_prints_the_value_without_a_change():
+    rows = [{"step": 0, "guard/trained": "nan", "guard/loss": 0.07},
+            {"step": 2, "guard/trained": 0.5, "guard/loss": 0.08}]
+    assert guard_table(rows).splitlines()[3] == "| 2 | 0.5000 | 0.0800 (+0.0100) | 0 |"

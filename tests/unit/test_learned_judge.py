@@ -51,8 +51,8 @@ def test_train_reward_judge_objective_learns_the_judge(tmp_path, tiny_export):
                  "model.width=16"])
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    # held-out prompts (novel compositions) with their own and with another caption: the judge's scores
-    # spread over [0, 1]; the stand-in tracks them though it never saw these captions
+    # held-out renders (half the prompts novel compositions) with their own and with another caption: the
+    # judge's scores spread over [0, 1]; the stand-in tracks them on renders it never saw
     held = metrics["heldout_renders"]
     assert held["n"] == 2 * 192 and held["pearson"] > 0.3, held  # SE of r near 0 here: 0.05
     assert metrics["loss_last"] < metrics["loss_first"]
