@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from pretrain.config import save_config
 from pretrain.data.dataset import build_datasets
@@ -52,26 +51,23 @@ def with_mismatched(n: int, captions: list[str], pool: list[str], k: int, seed: 
 
 @torch.no_grad()
 def sample_export(export: str, prompts: list[str], cfg, seed: int) -> torch.Tensor:
-    """ODE samples of the export folder ``export``, one per prompt: float32 ``[N, 3, H, W]`` in [0, 1].
-    ``FileNotFoundError`` naming ``judge.generated_from`` when it is not an export."""
+    """ODE samples of the export folder ``export``, one per prompt (the evaluation's sampler,
+    :func:`posttrain.eval.evaluate.paired_samples`, noise from ``seed``): float32 ``[N, 3, H, W]`` in
+    [0, 1]. ``FileNotFoundError`` naming ``judge.generated_from`` when it is not an export."""
+    from posttrain.eval.evaluate import EvalConfig, paired_samples
     from pretrain.export import META, load_exported
-    from pretrain.sampling import initial_noise, sample_latents
 
     if not (Path(export) / META).is_file():
         raise FileNotFoundError(f"judge.generated_from: '{export}' is not an export folder (no {META}; "
                                 f"run the pretrain stage first)")
     model, encoder, codec, meta = load_exported(export)
     model.eval()
-    size, null = meta["image_size"], encoder.encode([""])
-    noise = initial_noise(len(prompts), codec.latent_shape(size, size), seed)
-    out = []
-    for s in tqdm(range(0, len(prompts), cfg.batch_size), desc=f"sampling {len(prompts)} images", leave=False,
-                  dynamic_ncols=True):
-        chunk = prompts[s:s + cfg.batch_size]
-        lat = sample_latents(model, encoder.encode(chunk), null, noise[s:s + len(chunk)], cfg.num_inference_steps,
-                             cfg.guidance_scale, meta["sampling"]["shift"])
-        out.append(codec.decode(lat).float().clamp(0, 1).cpu())
-    return torch.cat(out) if out else torch.zeros(0, 3, size, size)
+    log.info("learned_judge: sampling %d images from %s", len(prompts), export)
+    sampling = EvalConfig(rewards=[], samples_per_prompt=1, seed=seed, num_inference_steps=cfg.num_inference_steps,
+                          guidance_scale=cfg.guidance_scale, batch_size=cfg.batch_size)
+    images = paired_samples(model, codec, encoder.encode(prompts), encoder.encode([""]), sampling,
+                            image_size=meta["image_size"], shift=meta["sampling"]["shift"], device="cpu")
+    return images.float().clamp(0, 1)
 
 
 def agreement(pred: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
@@ -114,7 +110,6 @@ def train_judge(cfg: TrainRewardConfig) -> dict:
         tr_prompts = [train.captions[i] for i in torch.randperm(len(train), generator=torch.Generator().manual_seed(
             jc.seed))[:jc.generated].tolist()]
         he_prompts = [held.captions[i % len(held)] for i in range(jc.heldout_generated)]
-        log.info("learned_judge: sampling %d + %d images from %s", len(tr_prompts), len(he_prompts), jc.generated_from)
         size = train.images.shape[-1]  # samples of another resolution are resized to the renders'
         gen_tr, gen_he = (F.interpolate(sample_export(jc.generated_from, p, jc, seed), size=(size, size),
                                         mode="bilinear", antialias=True, align_corners=False).clamp(0, 1)
