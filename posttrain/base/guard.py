@@ -6,7 +6,9 @@ it has them), the guard rewards (any reward list, e.g. an independent judge mode
 and the held-out flow-matching loss of the export's objective (lower is better). The first check, at
 step 0 before any update, is the baseline. A check **fails** when the trained reward is up on the
 baseline while some guard is worse than its baseline by more than its threshold (relative to the
-baseline's magnitude), or when the within-group diversity of the rollouts since the previous check
+baseline's magnitude: reward hacking), when the trained reward has fallen by more than ``collapse_by`` while
+some guard is worse by more than its threshold (the run is degrading: a collapse, where a hacking test
+alone would pass every check), or when the within-group diversity of the rollouts since the previous check
 (:func:`group_diversity`) is below ``min_diversity``. ``checks`` failing checks in a row stop the run
 (``stop: true``): the stage ends early and exports, naming the guard and its values.
 
@@ -45,7 +47,8 @@ class GuardConfig:
     ``guidance_scale``; ``loss_samples`` held-out images for the loss. ``stop``: stop the stage after
     ``checks`` failing checks in a row; a guard fails when it is worse than its baseline by more than
     ``worse_by[name]`` (default ``default_worse_by``) times the baseline's magnitude, while the trained
-    reward is up; ``min_diversity``: the within-group diversity floor (RMS pixel distance in [0, 1],
+    reward is up, or while it has fallen by more than ``collapse_by`` times its baseline's magnitude (a
+    collapse; 0 = hacking only); ``min_diversity``: the within-group diversity floor (RMS pixel distance in [0, 1],
     0 = off). ``export``: ``final`` (the last weights) or ``best`` (the best check's)."""
 
     every: int = 0
@@ -61,6 +64,7 @@ class GuardConfig:
     worse_by: dict[str, float] = field(default_factory=dict)
     default_worse_by: float = 0.1
     checks: int = 2
+    collapse_by: float = 0.1
     min_diversity: float = 0.0
     export: str = "final"
 
@@ -93,6 +97,8 @@ class GuardConfig:
                 raise ValueError(f"{prefix}worse_by: '{name}' is not a guard (known: {sorted(known)})")
             if not value > 0:
                 raise ValueError(f"{prefix}worse_by: thresholds must be > 0, got {name}: {value}")
+        if self.collapse_by < 0:
+            raise ValueError(f"{prefix}collapse_by: must be >= 0 (0 = off), got {self.collapse_by}")
         if self.min_diversity < 0:
             raise ValueError(f"{prefix}min_diversity: must be >= 0, got {self.min_diversity}")
         ProbeConfig(self.num_prompts, self.samples_per_prompt, self.seed, self.num_inference_steps,
@@ -274,13 +280,16 @@ class Guard:
         out = []
         base = self.baseline
         trained_up = self.trained is None or not math.isfinite(base["trained"]) or trained > base["trained"]
-        if trained_up:
+        fell = base["trained"] - trained if self.trained is not None else float("nan")
+        collapsing = self.cfg.collapse_by > 0 and math.isfinite(fell) and fell > self.cfg.collapse_by * abs(base["trained"])
+        if trained_up or collapsing:
             for name, v in values.items():
                 b, limit = base[name], self.cfg.worse_by.get(name, self.cfg.default_worse_by)
                 worse = (v - b) if name == LOSS else (b - v)
                 if math.isfinite(worse) and worse > limit * abs(b):
                     what = "held-out flow-matching loss" if name == LOSS else f"guard reward {name}"
                     up = f"; trained reward {base['trained']:.4g} -> {trained:.4g}" if self.trained else ""
+                    up += " (collapse: it fell too)" if collapsing else ""
                     out.append(f"{what} {b:.4g} -> {v:.4g} (worse by {worse / abs(b):.0%} > {limit:.0%}{up})")
         if self.cfg.min_diversity > 0 and diversity < self.cfg.min_diversity:
             out.append(f"within-group diversity {diversity:.4g} < min_diversity {self.cfg.min_diversity:g}")

@@ -44,7 +44,7 @@ def test_a_check_fails_when_the_reward_rises_and_a_guard_worsens(tmp_path):
     assert g.failures({LOSS: 0.26}, -0.9, 0.4) == [
         "held-out flow-matching loss 0.2 -> 0.26 (worse by 30% > 10%; trained reward -1 -> -0.9)"]
     assert g.failures({LOSS: 0.215}, -0.9, 0.4) == []  # 7.5 % worse: within the threshold
-    assert g.failures({LOSS: 0.26}, -1.1, 0.4) == []  # the trained reward did not rise: not hacking
+    assert g.failures({LOSS: 0.26}, -1.05, 0.4) == []  # the trained reward fell 5 %: neither hacking nor collapse
     assert _guard(tmp_path, worse_by={LOSS: 0.5}).failures({LOSS: 0.26}, -0.9, 0.4) == []
     assert _guard(tmp_path, trained=False).failures({LOSS: 0.26}, float("nan"), 0.4)[0].startswith(
         "held-out flow-matching loss 0.2 -> 0.26 (worse by 30% > 10%)")  # no trained reward: the guard alone
@@ -52,10 +52,23 @@ def test_a_check_fails_when_the_reward_rises_and_a_guard_worsens(tmp_path):
         "within-group diversity 0.01 < min_diversity 0.05"]
 
 
+def test_a_check_fails_when_the_reward_collapses_with_a_guard(tmp_path):
+    """A run falling apart (trained reward down 50 %, held-out loss up 30x, as NFT in bf16 did on the GPU
+    base preset: docs/results.md) fails even though nothing was hacked; a small fall or a fall with every
+    guard within its threshold passes, and collapse_by 0 restores the hacking-only rule."""
+    g = _guard(tmp_path)
+    assert g.failures({LOSS: 6.0}, -1.5, 0.4) == [
+        "held-out flow-matching loss 0.2 -> 6 (worse by 2900% > 10%; trained reward -1 -> -1.5 (collapse: it fell too))"]
+    assert g.failures({LOSS: 0.21}, -1.5, 0.4) == []  # the loss within 10 %: a bad step, no guard against it
+    assert g.failures({LOSS: 6.0}, -1.09, 0.4) == []  # fell 9 % < collapse_by 10 %
+    assert _guard(tmp_path, collapse_by=0.0).failures({LOSS: 6.0}, -1.5, 0.4) == []
+    assert _guard(tmp_path, collapse_by=0.6).failures({LOSS: 6.0}, -1.5, 0.4) == []
+
+
 @pytest.mark.parametrize("override, key", [({"export": "best"}, "every"), ({"every": 1, "worse_by": {"judge": 0.1}},
                                                                          "worse_by"), ({"every": -1}, "every"),
                                            ({"every": 1, "rewards": ["jpeg_compressibility", "jpeg_compressibility"]},
-                                            "rewards")])
+                                            "rewards"), ({"every": 1, "collapse_by": -0.1}, "collapse_by")])
 def test_guard_config_errors_name_the_key(override, key):
     with pytest.raises(ValueError, match=rf"^guard\.{key}: "):
         GuardConfig(**override).validate("guard.")
