@@ -87,16 +87,35 @@ def _sweep(args) -> int:
     return 0
 
 
+def _reward_params(path: str | None) -> dict:
+    """``--reward-params FILE``: a YAML mapping {reward name: {parameter: value}}; ``ConfigError`` naming
+    the flag and the file when it is missing or not such a mapping."""
+    from pretrain.config import ConfigError
+
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--reward-params: cannot read '{path}': {e}") from e
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ConfigError(f"--reward-params: '{path}' must map reward names to parameter mappings")
+    return data
+
+
 def _eval(args) -> int:
     from posttrain.eval.evaluate import EvalConfig, evaluate
     from pretrain.runtime.runtime import resolve_device
 
     from pretrain.config import ConfigError, validate
 
-    cfg = EvalConfig(rewards=args.rewards, prompts=args.prompts, num_prompts=args.num_prompts,
-                     samples_per_prompt=args.samples_per_prompt, seed=args.seed,
-                     num_inference_steps=args.steps, guidance_scale=args.guidance_scale)
     try:
+        cfg = EvalConfig(rewards=args.rewards, prompts=args.prompts, num_prompts=args.num_prompts,
+                         samples_per_prompt=args.samples_per_prompt, seed=args.seed,
+                         num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                         reward_params=_reward_params(args.reward_params))
         validate(cfg, "--")
     except ValueError as e:
         raise ConfigError(f"command line: {e}") from e
@@ -227,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--steps", type=_positive, default=20)
     ev.add_argument("--guidance-scale", type=float, default=4.0)
+    ev.add_argument("--reward-params", default=None,
+                    help="a YAML file {NAME: {param: value}} of reward parameters (a judge's base_url, seed, ...)")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--out", default=None)
     ev.set_defaults(func=_eval)

@@ -3,6 +3,10 @@
 Protocol: ``reward(images, prompts, metadata) -> Tensor[B]`` float32, where ``images`` is
 float32 ``[B, 3, H, W]`` in [0, 1] (videos ``[B, F, 3, H, W]``); NaN means "not applicable to this
 sample". Any conversion (PIL, resizing, a model's normalisation) happens inside the reward, once.
+``metadata`` (may be None) holds, from GRPO: ``sample_ids`` (each sample's global index in the iteration),
+``group_ids`` (its prompt group within the batch) and ``iteration``. A reward whose class sets
+``groupwise = True`` scores a sample against the others of its group (``pairwise_remote``); GRPO then
+requires rollout batches of whole groups (:func:`groupwise_rewards`).
 This package imports nothing else of the project.
 
 Config form (``rewards:``): each entry is ``name: weight`` or ``name: {weight: w, <parameters>}``;
@@ -21,7 +25,7 @@ import torch
 from pretrain.registry import Registry, import_path
 from rewards.specs import RewardSpec, is_import_path, parse_reward_spec, parse_reward_specs
 
-__all__ = ["RewardModel", "RewardSpec", "REGISTRY", "register", "known_rewards", "check_reward_weights",
+__all__ = ["RewardModel", "RewardSpec", "REGISTRY", "register", "known_rewards", "check_reward_weights", "groupwise_rewards",
            "build_reward", "build_from_spec", "resolve_factory", "parse_reward_spec", "parse_reward_specs", "weighted_sum",
            "CompositeReward", "builtin_modules"]
 
@@ -128,6 +132,16 @@ def build_from_spec(spec: RewardSpec, key: str = "rewards") -> RewardModel:
     if not callable(model):
         raise ValueError(f"{key}.{name}: the factory returned {type(model).__name__}, not a reward callable")
     return model
+
+
+def groupwise_rewards(weights: Mapping[str, Any], key: str = "rewards") -> list[str]:
+    """The names in a ``rewards:`` block whose factory (or the class it wraps) sets ``groupwise = True``."""
+    out = []
+    for name in parse_reward_specs(weights, key):
+        factory = resolve_factory(name, key)
+        if getattr(getattr(factory, "__wrapped__", factory), "groupwise", False):
+            out.append(name)
+    return out
 
 
 def check_reward_weights(weights: Mapping[str, Any], key: str = "rewards") -> None:

@@ -130,6 +130,13 @@ class RemoteJudge:
         except RuntimeError as e:
             raise RewardUnavailable(one_line(f"remote reward: start-up check failed: {e}")) from e
 
+    def settings(self) -> dict:
+        """What decides the judge's answers, for a run's records (``eval.json``): the URL, the model, the
+        scoring and the request parameters (temperature, max tokens, log-probs, structured output ...),
+        the seed base and the judging text; never the key."""
+        return {"url": self.url, "model": self.model, "scoring": self.scoring, "seed": self.seed,
+                "prompt_template": self.template, "system_prompt": self.system_prompt, **self.body}
+
     def request(self, png_b64: str, prompt: str, seed: int | None = None) -> dict:
         """The chat-completions JSON body for one image (base64 PNG), its prompt and its seed (None: none
         sent)."""

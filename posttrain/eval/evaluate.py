@@ -29,6 +29,7 @@ from pretrain.sampling import initial_noise, sample_latents, save_grid
 from rewards.base import build_reward, check_reward_weights
 
 GRID_COLS = 8  # columns of the per-model grids (eval.json records it for the run report)
+SECRET_PARAMS = ("api_key", "token")  # reward parameters eval.json records as "<redacted>"
 
 
 @dataclass
@@ -37,8 +38,12 @@ class EvalConfig:
     (evenly spaced); ``samples_per_prompt`` seeds each; ODE ``num_inference_steps`` and
     ``guidance_scale``; ``guard_samples`` held-out images for the flow-matching-loss guard (0 = off).
     ``rewards``: entries ``NAME`` or ``NAME@PATH`` (see ``parse_eval_reward``); a reward with a
-    ``categories(prompts)`` method (e.g. ``shapes_strict``) also gets one row per category. ``mark``: one
-    of ``rewards`` whose value >= 0.5 frames a grid cell green (pass), else red (fail); None: no frames."""
+    ``categories(prompts)`` method (e.g. ``shapes_strict``) also gets one row per category.
+    ``reward_params``: parameters per reward name, passed to its factory with ``NAME@PATH``'s path (e.g.
+    ``{remote: {base_url: ..., model: ..., seed: 3, temperature: 1.0}}``); ``eval.json`` records each
+    reward's parameters, and a judge's request settings (:meth:`rewards.remote.RemoteJudge.settings`).
+    ``mark``: one of ``rewards`` whose value >= 0.5 frames a grid cell green (pass), else red (fail);
+    None: no frames."""
 
     rewards: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
     prompts: str = "heldout"
@@ -51,13 +56,23 @@ class EvalConfig:
     grid_prompts: int = 32
     batch_size: int = 64
     mark: str | None = None
+    reward_params: dict[str, dict] = field(default_factory=dict)
 
     def validate(self, prefix: str = "") -> None:
         if self.mark is not None and self.mark not in self.rewards:
             raise ValueError(f"{prefix}mark: '{self.mark}' is not one of {prefix}rewards {self.rewards}")
+        names = [parse_eval_reward(entry, f"{prefix}rewards")[0] for entry in self.rewards]
+        for name in self.reward_params:
+            if name not in names:
+                raise ValueError(f"{prefix}reward_params: '{name}' is not one of {prefix}rewards {self.rewards}")
         for entry in self.rewards:
-            name, params = parse_eval_reward(entry, f"{prefix}rewards")
+            name, params = self.reward(entry, prefix)
             check_reward_weights({name: {"weight": 1.0, **params}}, f"{prefix}rewards")
+
+    def reward(self, entry: str, prefix: str = "") -> tuple[str, dict]:
+        """An entry of ``rewards`` -> (name, its parameters: ``reward_params[name]`` and ``NAME@PATH``'s path)."""
+        name, params = parse_eval_reward(entry, f"{prefix}rewards")
+        return name, {**dict(self.reward_params.get(name) or {}), **params}
         require_positive(self, prefix, "num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size")
 
 
@@ -138,10 +153,14 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     {"prompts", "rewards": {name: [K x P tensors per model]}, "guard": [...], "grids": [...], "settings", "table"}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reward_fns = {}
+    reward_fns, reward_record = {}, {}
     for entry in cfg.rewards:
-        name, params = parse_eval_reward(entry)
+        name, params = cfg.reward(entry)
         reward_fns[entry] = build_reward(name, **params)
+        settings = getattr(reward_fns[entry], "settings", None)
+        shown = {k: ("<redacted>" if k in SECRET_PARAMS else v) for k, v in params.items()}
+        reward_record[entry] = {"name": name, "params": shown,
+                                **({"request": settings()} if callable(settings) else {})}
     results = {"models": models, "rewards": {n: [] for n in cfg.rewards}, "guard": [], "grids": []}
     prompts = None
     phases = ("load", "sample", "score") + (("guard",) if cfg.guard_samples else ())
@@ -190,7 +209,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     (out_dir / "report.md").write_text(results["table"] + "\n")
     grid_n = min(cfg.grid_prompts, len(prompts))
     (out_dir / "eval.json").write_text(json.dumps(
-        {"models": models, "settings": results["settings"], "prompts": prompts, "grids": results["grids"],
+        {"models": models, "settings": results["settings"], "rewards": reward_record, "prompts": prompts,
+         "grids": results["grids"],
          "grid_prompts": prompts[:grid_n], "grid_cols": GRID_COLS}, indent=1) + "\n")
     return results
 

@@ -99,6 +99,7 @@ def check_engine(cfg: GRPOConfig) -> None:
     Reads the loss class and options only: no part is built."""
     from posttrain.grpo.forward_update import ForwardDraw
     from posttrain.grpo.parts.base import check_loss
+    from rewards.base import groupwise_rewards
     from pretrain.parallel.launch import launched_world_size
 
     ro, eng, g = cfg.rollout, cfg.engine, cfg.grpo
@@ -106,6 +107,10 @@ def check_engine(cfg: GRPOConfig) -> None:
     check_loss(loss, g.loss["name"], step=ro.step, rollout_engine=eng.name, world_size=launched_world_size())
     if isinstance(options, ForwardDraw):
         options.candidates(ro.num_inference_steps, "grpo.loss.")
+    grouped = groupwise_rewards(cfg.rewards)
+    if grouped and ro.batch_size % ro.group_size:
+        raise ValueError(f"rollout.batch_size: reward(s) {grouped} score each sample against its prompt group, so a "
+                         f"rollout batch must hold whole groups of {ro.group_size}; {ro.batch_size} is not a multiple")
     if loss.needs_groups and cfg.train.batch_size % ro.group_size:
         raise ValueError(f"train.batch_size: this loss compares the samples of a prompt group, so a mini-batch "
                          f"must hold whole groups of {ro.group_size}; {cfg.train.batch_size} is not a multiple")

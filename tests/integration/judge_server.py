@@ -1,7 +1,9 @@
 """A tiny OpenAI-compatible chat-completions server on 127.0.0.1 for the ``remote`` reward's tests:
 it decodes the PNG in each request and answers ``"Score: <JPEG size in kB>"`` (the real
 ``jpeg_incompressibility`` scorer), after a per-request delay, so completion order differs from
-request order."""
+request order. A request with several images is a comparison (``pairwise_remote``): two images are
+answered ``1`` / ``2`` (the larger JPEG wins) or ``tie`` (equal sizes); more are answered with their
+numbers, largest first."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from rewards.png import decode_png_b64
 
 class JudgeServer(ThreadingHTTPServer):
     """``delay(judging_text) -> seconds`` before answering; ``answer(text, score) -> str`` overrides
-    the reply text; ``top_logprobs(text, score) -> [(token, logprob), ...] | None`` gives the first answer
+    the reply text (``score``: the JPEG size in kB, or the list of sizes of a comparison's images); ``top_logprobs(text, score) -> [(token, logprob), ...] | None`` gives the first answer
     token's top log-probs when a request asks for ``logprobs`` (None: a reply without them);
     ``status`` != 200 answers every request with that HTTP error. Records every
     request body (``bodies``), its headers (``headers``) and the prompts in completion order
@@ -43,6 +45,14 @@ class JudgeServer(ThreadingHTTPServer):
             self.server_close()
 
 
+def compare(sizes: list[float]) -> str:
+    """The fake judge's comparison: the larger JPEG is better ("1", "2" or "tie" for two images; the
+    image numbers largest first, ties in display order, for more)."""
+    if len(sizes) == 2:
+        return "1" if sizes[0] > sizes[1] else "2" if sizes[1] > sizes[0] else "tie"
+    return " ".join(str(i + 1) for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]))
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: JudgeServer
 
@@ -59,11 +69,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(self.server.status if self.path == "/v1/chat/completions" else 404,
                                {"error": {"message": "judge unavailable"}})
         parts = body["messages"][-1]["content"]
-        image = decode_png_b64(next(p for p in parts if p["type"] == "image_url")["image_url"]["url"])
+        images = [decode_png_b64(p["image_url"]["url"]) for p in parts if p["type"] == "image_url"]
         text = next(p for p in parts if p["type"] == "text")["text"]
-        score = float(jpeg_size_kb(image[None])[0])
+        sizes = [float(jpeg_size_kb(image[None])[0]) for image in images]
+        score = sizes[0] if len(sizes) == 1 else sizes
         time.sleep(self.server.delay(text))
-        answer = self.server.answer(text, score) if self.server.answer else f"Score: {score!r}"
+        answer = self.server.answer(text, score) if self.server.answer else (
+            f"Score: {score!r}" if len(sizes) == 1 else compare(sizes))
         with self.server.lock:
             self.server.completed.append(text)
         choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer}}
