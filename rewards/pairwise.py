@@ -18,16 +18,23 @@ are shared). Two protocols:
   the win rate it would have had if every pair had been asked and answered consistently with the
   ranking.
 
-**Position bias** (judges prefer the first image) is cancelled by the order: each pair is shown as
-(i, j) or (j, i), and each group's images in a shuffled order, drawn from
+**Position bias** (judges prefer the first image) is randomised, not removed: each pair is shown once, as
+(i, j) or (j, i), and each group's images in a shuffled order, so a preference for a position becomes
+noise spread evenly over the samples rather than a bias toward some of them. The orders are drawn from
 :func:`pretrain.seeding.seed_for` (``order_seed``, iteration, the samples' global indices), so the same
 run shows the same orders and a resumed run asks the same questions.
 
 **Groups** come from the metadata's ``group_ids`` (GRPO passes each rollout batch's prompt groups;
 ``rollout.batch_size`` must hold whole groups, checked when the config loads), else from equal prompt
 texts. A group of one, an unreadable answer and a sample with no readable comparison are not guessed:
-the comparison is dropped, the sample with none scores NaN, and both are counted
-(``unparsed_total``, ``ungrouped_total``) with one warning per batch.
+an unreadable answer is dropped and counted (``unparsed_total``), a sample alone in its group is
+counted (``ungrouped_total``), and a sample left with no readable comparison scores NaN; one warning
+per batch.
+
+**What a win rate cannot show**: every comparison hands out one point, so the win rates of a whole
+group always average 0.5. They rank samples within a group (what GRPO's group advantage uses), but a
+mean over samples, iterations or models is 0.5 by construction: judge progress, in ``posttrain eval``
+or the guard, with a pointwise reward.
 """
 
 from __future__ import annotations
@@ -142,16 +149,25 @@ class PairwiseJudge(RemoteJudge):
     def request_images(self, pngs: list[str], prompt: str, seed: int | None = None) -> dict:
         """The chat-completions body: every image (base64 PNG) in the order given, then the judging text."""
         text = self.template.replace("{prompt}", prompt).replace("{n}", str(len(pngs)))
+        body = dict(self.body)
+        if self.protocol == "ranking":  # "1 2 ... n": room for every number and its separator
+            body["max_tokens"] = max(int(body["max_tokens"]), 3 * len(pngs) + 4)
         content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{p}"}} for p in pngs]
         messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return {"model": self.model, "messages": messages, **self.body, **({} if seed is None else {"seed": seed})}
+        return {"model": self.model, "messages": messages, **body, **({} if seed is None else {"seed": seed})}
+
+    def settings(self) -> dict:
+        """:meth:`rewards.remote.RemoteJudge.settings` plus the protocol, the order seed and the answer tokens."""
+        return {**super().settings(), "protocol": self.protocol, "order_seed": self.order_seed,
+                "first_tokens": self.yes_tokens, "second_tokens": self.no_tokens}
 
     def parse_choice(self, answer: str | None) -> float:
         """P(first image better) from an answer's text: 1, 0 or 0.5 (tie); NaN when nothing matches."""
         m = self.pattern.search(answer) if isinstance(answer, str) else None
-        return CHOICES.get((m.group(1) if self.pattern.groups else m.group(0)).lower(), math.nan) if m else math.nan
+        found = (m.group(1) if self.pattern.groups else m.group(0)) if m else None
+        return CHOICES.get(found.lower(), math.nan) if found else math.nan
 
     @staticmethod
     def parse_ranking(answer: str | None, n: int) -> list[int] | None:
@@ -187,6 +203,9 @@ class PairwiseJudge(RemoteJudge):
         """The batch's requests and what each covers: (items for :meth:`_compare`, shown sample positions per
         item, positions in groups of one). Orders and seeds are drawn as the module docstring says."""
         meta = metadata or {}
+        for key in ("sample_ids", "group_ids"):
+            if meta.get(key) is not None and len(meta[key]) != len(prompts):
+                raise ValueError(f"pairwise_remote: metadata {key} has {len(meta[key])} entries for {len(prompts)} samples")
         ids = [int(i) for i in meta["sample_ids"]] if "sample_ids" in meta else list(range(len(prompts)))
         it = int(meta.get("iteration", 0))
         items, shown, alone = [], [], []

@@ -134,8 +134,11 @@ class RemoteJudge:
         """What decides the judge's answers, for a run's records (``eval.json``): the URL, the model, the
         scoring and the request parameters (temperature, max tokens, log-probs, structured output ...),
         the seed base and the judging text; never the key."""
-        return {"url": self.url, "model": self.model, "scoring": self.scoring, "seed": self.seed,
-                "prompt_template": self.template, "system_prompt": self.system_prompt, **self.body}
+        tokens = ({"yes_tokens": self.yes_tokens, "no_tokens": self.no_tokens} if self.scoring == "yes_prob" else
+                  {"score_tokens": self.score_tokens} if self.scoring == "expected_score" else
+                  {"score_pattern": self.pattern.pattern})
+        return {"url": self.url, "model": self.model, "scoring": self.scoring, **tokens, "score_range": self.score_range,
+                "seed": self.seed, "prompt_template": self.template, "system_prompt": self.system_prompt, **self.body}
 
     def request(self, png_b64: str, prompt: str, seed: int | None = None) -> dict:
         """The chat-completions JSON body for one image (base64 PNG), its prompt and its seed (None: none

@@ -28,11 +28,13 @@ for chunk in iter(lambda: sys.stdin.buffer.read1(65536), b""):
     for line in filter(None, lines):
         sys.stdout.write(time.strftime("%T ") + line.decode(errors="replace") + "\n")
 '; }
-command -v nvidia-smi >/dev/null && { nvidia-smi --query-gpu=name,memory.used --format=csv -l 5 > "$OUT/nvidia_smi.csv" & }
+smi=
+command -v nvidia-smi >/dev/null && { nvidia-smi --query-gpu=name,memory.used --format=csv -l 5 > "$OUT/nvidia_smi.csv" & smi=$!; }
 start=$(date +%s)
 timeout 520 "$PY" -m posttrain pipeline configs/quickstart_gpu.yaml \
   "stages.0.overrides=[text_encoder.path=/tmp/minilm]" "$@" 2>&1 | stamp > "$OUT/quickstart_gpu.log"
 rc=${PIPESTATUS[0]}
+[ -n "$smi" ] && kill "$smi" 2>/dev/null
 echo "pipeline exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/quickstart_gpu.log"
 run=runs/quickstart_gpu
 [ -d "$run/grpo" ] && "$PY" -m posttrain.tools.guard_table "$run/grpo" | tee -a "$OUT/quickstart_gpu.log"

@@ -47,8 +47,9 @@ class GuardConfig:
     ``guidance_scale``; ``loss_samples`` held-out images for the loss. ``stop``: stop the stage after
     ``checks`` failing checks in a row; a guard fails when it is worse than its baseline by more than
     ``worse_by[name]`` (default ``default_worse_by``) times the baseline's magnitude, while the trained
-    reward is up, or while it has fallen by more than ``collapse_by`` times its baseline's magnitude (a
-    collapse; 0 = hacking only); ``min_diversity``: the within-group diversity floor (RMS pixel distance in [0, 1],
+    reward is up, or while it has fallen by more than ``collapse_by`` times its baseline's magnitude or
+    become NaN (a collapse; 0 = hacking only); ``min_diversity``: the within-group diversity floor (RMS
+    pixel distance in [0, 1],
     0 = off). ``export``: ``final`` (the last weights) or ``best`` (the best check's)."""
 
     every: int = 0
@@ -281,7 +282,9 @@ class Guard:
         base = self.baseline
         trained_up = self.trained is None or not math.isfinite(base["trained"]) or trained > base["trained"]
         fell = base["trained"] - trained if self.trained is not None else float("nan")
-        collapsing = self.cfg.collapse_by > 0 and math.isfinite(fell) and fell > self.cfg.collapse_by * abs(base["trained"])
+        lost = self.trained is not None and math.isfinite(base["trained"]) and not math.isfinite(trained)
+        collapsing = self.cfg.collapse_by > 0 and (lost or (math.isfinite(fell)
+                                                            and fell > self.cfg.collapse_by * abs(base["trained"])))
         if trained_up or collapsing:
             for name, v in values.items():
                 b, limit = base[name], self.cfg.worse_by.get(name, self.cfg.default_worse_by)

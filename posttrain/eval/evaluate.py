@@ -26,10 +26,10 @@ from pretrain.evaluation import heldout_loss
 from pretrain.export import load_exported
 from pretrain.objective import FlowConfig
 from pretrain.sampling import initial_noise, sample_latents, save_grid
-from rewards.base import build_reward, check_reward_weights
+from rewards.base import build_reward, check_reward_weights, groupwise_rewards
 
 GRID_COLS = 8  # columns of the per-model grids (eval.json records it for the run report)
-SECRET_PARAMS = ("api_key", "token")  # reward parameters eval.json records as "<redacted>"
+SECRET_PARAMS = ("api_key", "token", "password", "Authorization")  # reward parameters eval.json records as "<redacted>"
 
 
 @dataclass
@@ -68,12 +68,29 @@ class EvalConfig:
         for entry in self.rewards:
             name, params = self.reward(entry, prefix)
             check_reward_weights({name: {"weight": 1.0, **params}}, f"{prefix}rewards")
+        require_positive(self, prefix, "num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size")
+        grouped = groupwise_rewards({name: 1.0 for name in names}, f"{prefix}rewards")
+        if grouped and self.samples_per_prompt < 2:
+            raise ValueError(f"{prefix}samples_per_prompt: {grouped} compare the samples of a prompt with each other; "
+                             f"set samples_per_prompt >= 2 (each prompt's samples form its group)")
 
     def reward(self, entry: str, prefix: str = "") -> tuple[str, dict]:
         """An entry of ``rewards`` -> (name, its parameters: ``reward_params[name]`` and ``NAME@PATH``'s path)."""
         name, params = parse_eval_reward(entry, f"{prefix}rewards")
         return name, {**dict(self.reward_params.get(name) or {}), **params}
-        require_positive(self, prefix, "num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size")
+
+
+def redacted(params):
+    """``params`` (nested dicts and lists) with the values of keys named in :data:`SECRET_PARAMS` replaced by
+    ``"<redacted>"`` and ``user:password@`` removed from URLs, for records written to disk."""
+    if isinstance(params, dict):
+        return {k: "<redacted>" if k in SECRET_PARAMS else redacted(v) for k, v in params.items()}
+    if isinstance(params, (list, tuple)):
+        return [redacted(v) for v in params]
+    if isinstance(params, str) and "://" in params and "@" in params.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = params.split("://", 1)
+        return f"{scheme}://<redacted>@{rest.split('@', 1)[1]}"
+    return params
 
 
 def parse_eval_reward(entry: str, key: str = "rewards") -> tuple[str, dict]:
@@ -158,9 +175,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         name, params = cfg.reward(entry)
         reward_fns[entry] = build_reward(name, **params)
         settings = getattr(reward_fns[entry], "settings", None)
-        shown = {k: ("<redacted>" if k in SECRET_PARAMS else v) for k, v in params.items()}
-        reward_record[entry] = {"name": name, "params": shown,
-                                **({"request": settings()} if callable(settings) else {})}
+        reward_record[entry] = {"name": name, "params": redacted(params),
+                                **({"request": redacted(settings())} if callable(settings) else {})}
     results = {"models": models, "rewards": {n: [] for n in cfg.rewards}, "guard": [], "grids": []}
     prompts = None
     phases = ("load", "sample", "score") + (("guard",) if cfg.guard_samples else ())

@@ -61,6 +61,7 @@ def test_a_check_fails_when_the_reward_collapses_with_a_guard(tmp_path):
         "held-out flow-matching loss 0.2 -> 6 (worse by 2900% > 10%; trained reward -1 -> -1.5 (collapse: it fell too))"]
     assert g.failures({LOSS: 0.21}, -1.5, 0.4) == []  # the loss within 10 %: a bad step, no guard against it
     assert g.failures({LOSS: 6.0}, -1.09, 0.4) == []  # fell 9 % < collapse_by 10 %
+    assert g.failures({LOSS: 6.0}, float("nan"), 0.4)[0].startswith("held-out flow-matching loss 0.2 -> 6")  # no score
     assert _guard(tmp_path, collapse_by=0.0).failures({LOSS: 6.0}, -1.5, 0.4) == []
     assert _guard(tmp_path, collapse_by=0.6).failures({LOSS: 6.0}, -1.5, 0.4) == []
 

@@ -163,7 +163,9 @@ def test_grpo_with_the_pairwise_judge_trains_on_hand_computed_win_rate_advantage
         r = torch.tensor(rates, dtype=torch.float64)[group_ids == g]
         hand[group_ids == g] = (r - r.mean()) / (r.std(unbiased=False) + 1e-4)
     assert adv.double().tolist() == pytest.approx(hand.clamp(-5, 5).tolist(), abs=1e-5)
-    assert sorted(r for r in rates) != [rates[0]] * 16  # the judge told the samples apart
+    for g in group_ids.unique():  # each comparison hands out one point: a group of 4 sums to 2 (mean 0.5)
+        assert rewards[group_ids == g].sum().item() == pytest.approx(2.0)
+    assert adv.abs().max() > 0.5  # the judge told the samples apart
 
 
 def test_a_rollout_batch_splitting_groups_is_refused_for_a_groupwise_reward(tiny_export, tmp_path, server):
@@ -201,3 +203,16 @@ def test_eval_records_each_judges_parameters_and_request_settings(server, tiny_e
     assert sorted(b.get("seed") or 0 for b in server.bodies[len(sent):]) == sorted(s or 0 for s in sent)
     with pytest.raises(ValueError, match=r"^reward_params: 'jpeg' is not one of rewards"):
         EvalConfig(rewards=["remote"], reward_params={"jpeg": {}}).validate()
+
+
+def test_eval_config_refuses_bad_sizes_and_a_groupwise_reward_without_groups(server):
+    from posttrain.eval.evaluate import EvalConfig, redacted
+
+    with pytest.raises(ValueError, match=r"^batch_size: must be"):
+        EvalConfig(batch_size=0).validate()
+    params = {"pairwise_remote": {"base_url": server.base_url, "model": "m"}}
+    with pytest.raises(ValueError, match=r"^samples_per_prompt: \['pairwise_remote'\] compare"):
+        EvalConfig(rewards=["pairwise_remote"], reward_params=params, samples_per_prompt=1).validate()
+    EvalConfig(rewards=["pairwise_remote"], reward_params=params, samples_per_prompt=2).validate()
+    assert redacted({"api_key": "k", "extra_body": {"headers": [{"token": "t"}]}, "url": "https://u:p@host/v1"}) == {
+        "api_key": "<redacted>", "extra_body": {"headers": [{"token": "<redacted>"}]}, "url": "https://<redacted>@host/v1"}

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.long
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("POSTTRAIN_VLLM_VENV", ROOT / ".venv-vllm"))
 MODEL = "tiny-judge"
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never through a proxy
 SCORE = {"structured_outputs": {"regex": "Score: [0-9]"}}
 #: a ranking of 4 images as a regex: one of the 24 orders of "1 2 3 4"
 PERMUTATIONS = "(" + "|".join(" ".join(p) for p in itertools.permutations("1234")) + ")"
@@ -60,7 +61,7 @@ class VLLMServer:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} at start-up; log: {self.log}\n"
                                    + self.log.read_text()[-3000:])
             try:
-                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as r:
+                with NO_PROXY.open(f"{self.base_url}/models", timeout=2) as r:
                     if r.status == 200:
                         return time.perf_counter() - t0
             except OSError:

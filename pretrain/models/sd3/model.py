@@ -31,7 +31,7 @@ SD3_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(patch_size=4, num_layers=2, num_attention_heads=2, attention_head_dim=32, caption_projection_dim=64),
     # ~5 M parameters: the CPU quickstart.
     "small": dict(patch_size=4, num_layers=4, num_attention_heads=3, attention_head_dim=64, caption_projection_dim=192),
-    # ~10 M parameters, 4x the small preset's image tokens (patch 2): the GPU quickstart (configs/quickstart_gpu.yaml).
+    # ~14 M parameters, 4x the small preset's image tokens (patch 2): the GPU quickstart (configs/quickstart_gpu.yaml).
     "base": dict(patch_size=2, num_layers=6, num_attention_heads=4, attention_head_dim=64, caption_projection_dim=256),
 }
 
