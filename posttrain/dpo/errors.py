@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.flow import flow_matching_loss, interpolate
+from pretrain.flow import interpolate, velocity_target
 from pretrain.text_encoder import PromptEmbeds
 
 
@@ -16,7 +16,15 @@ def flow_errors(model, x0: torch.Tensor, embeds: PromptEmbeds, noise: torch.Tens
                 ) -> torch.Tensor:
     """Velocity error of a flow-matching ``model(x_sigma, sigma, embeds) -> v``: float32 ``[N]``,
     mean over elements of (v - (eps - x0))^2 at x_sigma = (1 - sigma) x0 + sigma eps."""
-    return flow_matching_loss(model(interpolate(x0, noise, sigma), sigma, embeds), x0, noise)
+    return flow_residuals(model, x0, embeds, noise, sigma).square().flatten(1).mean(1)
+
+
+def flow_residuals(model, x0: torch.Tensor, embeds: PromptEmbeds, noise: torch.Tensor, sigma: torch.Tensor
+                   ) -> torch.Tensor:
+    """The velocity residual v - (eps - x0) of ``model`` at x_sigma, float32 ``[N, ...]`` (what
+    :func:`flow_errors` squares and averages; the same as ``flow_matching_loss``'s)."""
+    v = model(interpolate(x0, noise, sigma), sigma, embeds)
+    return v.float() - velocity_target(x0.float(), noise.float())
 
 
 def eps_errors(unet, scheduler, x0: torch.Tensor, encoder_hidden_states: torch.Tensor, noise: torch.Tensor,

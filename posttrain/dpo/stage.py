@@ -46,15 +46,22 @@ class DPOLossConfig:
     pairs (logit-normal, as in pretraining; ``flow.objective: epsilon`` draws timesteps uniform over an
     epsilon-prediction model's training timesteps instead, as Diffusion-DPO does for SD; only the draw:
     the errors are those of ``error_space``) and ``flow.cond_dropout``, the share of pairs trained on the
-    empty prompt (the reference code uses 0.2; default 0 here)."""
+    empty prompt (the reference code uses 0.2; default 0 here). ``sdpo_mu``: Diffusion-SDPO (Fu et al. 2025,
+    arXiv 2511.03317) when set, in [0, 1]: each micro-batch's loser gradient is scaled by
+    :func:`posttrain.objectives.dpo_loss.winner_preserving_scale` so that, to first order, the winners'
+    error does not rise (the reference code's default is 0); None: plain Diffusion-DPO."""
 
     beta: float = 750.0
     loss_type: str = "sigmoid"
     error_space: str = "velocity"
     flow: FlowConfig = field(default_factory=lambda: FlowConfig(cond_dropout=0.0))
+    sdpo_mu: float | None = None
 
     def validate(self, prefix: str = "") -> None:
         from posttrain.objectives.dpo_loss import PAIR_LOSSES
+
+        if self.sdpo_mu is not None and not 0.0 <= self.sdpo_mu <= 1.0:
+            raise ValueError(f"{prefix}sdpo_mu: must be in [0, 1] (or null: off), got {self.sdpo_mu}")
 
         if self.beta <= 0:
             raise ValueError(f"{prefix}beta: must be > 0, got {self.beta}")

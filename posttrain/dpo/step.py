@@ -11,8 +11,8 @@ import torch
 from posttrain.base.policy import Policy
 from posttrain.base.stage import StageRanks
 from posttrain.dpo.data import PairSet
-from posttrain.dpo.errors import flow_errors
-from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term
+from posttrain.dpo.errors import flow_residuals
+from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term, scale_gradient, winner_preserving_scale
 from pretrain.data.dataset import EpochSampler
 from pretrain.guidance import drop_condition
 from pretrain.objective import draw_training_noise, objective_sigmas
@@ -25,10 +25,11 @@ if TYPE_CHECKING:
 
 
 def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEmbeds, *, seed: int, step: int,
-                offset: int, device, stream: str = "train", reference=None):
+                offset: int, device, stream: str = "train", reference=None, residuals: bool = False):
     """Per-pair errors (e_w, e_l) ``[P]`` of ``model`` (and of ``reference`` when given). Pair i's
     (noise, sigma, prompt dropout) is keyed by (seed, stream, step, offset + i) and shared by its
-    winner and loser; with ``error_space: noise`` errors are scaled by (1 - sigma)^2."""
+    winner and loser; with ``error_space: noise`` errors are scaled by (1 - sigma)^2. ``residuals``: each
+    tuple also holds the residuals (r_w, r_l) ``[P, ...]`` in the error space (e = mean(r^2))."""
     p = len(pairs)
     x0 = codec.encode(torch.cat([pairs.images_w, pairs.images_l]).to(device))
     table = objective_sigmas(model, cfg.flow, "dpo.flow.objective")
@@ -41,8 +42,13 @@ def pair_errors(model, codec, pairs: PairSet, cfg: DPOLossConfig, null: PromptEm
     for m in (model, reference):
         if m is None:
             continue
-        err = flow_errors(m, x0, embeds, noise, sigma) * scale
-        out.append((err[:p], err[p:]))
+        res = flow_residuals(m, x0, embeds, noise, sigma)
+        err = res.square().flatten(1).mean(1) * scale
+        if residuals:
+            res = res * scale.sqrt().view(-1, *[1] * (res.dim() - 1))
+            out.append((err[:p], err[p:], res[:p], res[p:]))
+        else:
+            out.append((err[:p], err[p:]))
     return out
 
 
@@ -50,10 +56,17 @@ def pair_loss(policy: Policy, codec, pairs: PairSet, cfg: DPOLossConfig, null: P
               offset: int, device):
     """DPO loss of one micro-batch of pairs (see :func:`pair_errors`). Returns (float32 loss, stats)."""
     draw = dict(seed=seed, step=step, offset=offset, device=device)
-    (ew, el), = pair_errors(policy.model, codec, pairs, cfg, null, **draw)
+    safeguard = cfg.sdpo_mu is not None
+    ew, el, *res = pair_errors(policy.model, codec, pairs, cfg, null, residuals=safeguard, **draw)[0]
     with torch.no_grad(), policy.reference() as ref:
         (rw, rl), = pair_errors(ref, codec, pairs, cfg, null, **draw)
-    return diffusion_dpo_loss(ew, el, rw, rl, cfg.beta, cfg.loss_type, pref=pairs.pref.to(device))
+    if safeguard:  # Diffusion-SDPO: the losers' gradient scaled so the winners' error does not rise
+        lam = winner_preserving_scale(*res, cfg.sdpo_mu)
+        el = scale_gradient(el, lam)
+    loss, stats = diffusion_dpo_loss(ew, el, rw, rl, cfg.beta, cfg.loss_type, pref=pairs.pref.to(device))
+    if safeguard:
+        stats["sdpo_scale"] = float(lam)
+    return loss, stats
 
 
 @torch.no_grad()

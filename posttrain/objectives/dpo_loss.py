@@ -27,6 +27,28 @@ PAIR_LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def winner_preserving_scale(res_w: torch.Tensor, res_l: torch.Tensor, mu: float, max_scale: float = 1.0,
+                            eps: float = 1e-12) -> torch.Tensor:
+    """Diffusion-SDPO's loser-gradient scale (Fu et al. 2025, arXiv 2511.03317, the winner-preserving
+    condition): with g_w, g_l the gradients of the winners' and the losers' mean squared errors with
+    respect to the predictions (proportional to the residuals ``res_w``, ``res_l``, float ``[P, ...]``,
+    prediction minus target, in the error space, paired row by row), a first-order step along
+    -g_w + lambda g_l keeps the winners' error falling by at least mu ||g_w||^2 when
+    lambda <= (1 - mu) ||g_w||^2 / <g_l, g_w>. Returns that bound, clamped to [0, ``max_scale``], when
+    <g_l, g_w> > 0, else ``max_scale`` (float32 scalar, detached). ``mu`` in [0, 1]."""
+    if not 0.0 <= mu <= 1.0:
+        raise ValueError(f"dpo.sdpo_mu: must be in [0, 1], got {mu}")
+    rw, rl = res_w.detach().double().flatten(), res_l.detach().double().flatten()
+    num, den = rw.square().sum(), (rl * rw).sum()
+    lam = (1.0 - mu) * num / (den + eps) if den > 0 else torch.tensor(max_scale, dtype=torch.float64)
+    return lam.clamp(0.0, max_scale).float()
+
+
+def scale_gradient(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` in value, ``scale * d x`` in gradient: x.detach() + scale * (x - x.detach())."""
+    return x.detach() + scale * (x - x.detach())
+
+
 def dpo_inside_term(err_w: torch.Tensor, err_l: torch.Tensor, ref_err_w: torch.Tensor, ref_err_l: torch.Tensor,
                     beta: float) -> torch.Tensor:
     """float32 ``[P]``: -0.5 * beta * ((e_w - e_w,ref) - (e_l - e_l,ref)); all inputs ``[P]``."""
