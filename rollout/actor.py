@@ -39,16 +39,18 @@ class RolloutActor:
     - ``precision``: the autocast sampling runs in (fp32 / bf16 / fp16);
     - ``record_uncond``: keep the unconditional CFG velocities on the trajectories (the update may
       reuse them only when they are its own: decided once by the builder);
+    - ``record_means``: keep each transition's Gaussian mean (``Trajectory.means``; the loss needs the
+      old policy's per-step Gaussian);
     - ``device``: where sampling runs.
 
     ``decode_seconds``: seconds the last call spent decoding latents to images."""
 
     def __init__(self, *, model: Callable[[], ContextManager[torch.nn.Module]], codec, sampler: Sampler, prompts: EncodedSet,
                  latent_shape: tuple[int, ...], seed: int, precision: Precision, record_uncond: bool,
-                 device: torch.device):
+                 device: torch.device, record_means: bool = False):
         self.model, self.codec, self.sampler, self.prompts = model, codec, sampler, prompts
         self.latent_shape, self.seed, self.precision = tuple(latent_shape), seed, precision
-        self.record_uncond, self.device = bool(record_uncond), device
+        self.record_uncond, self.device, self.record_means = bool(record_uncond), device, bool(record_means)
         self.decode_seconds = 0.0
 
     def settings(self, iteration: int) -> SamplingSettings:
@@ -70,7 +72,7 @@ class RolloutActor:
                                        sample_ids=list(request.sample_ids), latent_shape=self.latent_shape,
                                        seed=self.seed, iteration=request.iteration, device=self.device,
                                        shared_group_size=cfg.group_size if cfg.shared_initial_noise else None,
-                                       record_uncond=self.record_uncond)
+                                       record_uncond=self.record_uncond, record_means=self.record_means)
         traj.versions = torch.full((len(traj),), version, dtype=torch.long)
         self.decode_seconds = codec.seconds
         return RolloutResult(request.request_id, request.iteration, traj.to("cpu"), version, worker,
@@ -88,6 +90,6 @@ class RolloutActor:
             traj = self.sampler.rollout(model, codec, self.prompts, prompt_idx, latent_shape=self.latent_shape,
                                         seed=self.seed, iteration=iteration, device=self.device,
                                         sample_offset=sample_offset, on_batch=on_batch,
-                                        record_uncond=self.record_uncond)
+                                        record_uncond=self.record_uncond, record_means=self.record_means)
         self.decode_seconds = codec.seconds
         return traj

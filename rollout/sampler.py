@@ -82,18 +82,20 @@ class Sampler:
     @torch.no_grad()
     def sample(self, model, codec, embeds: PromptEmbeds, prompts: list[str], *, group_ids: torch.Tensor,
                sample_ids: list[int], latent_shape: tuple[int, ...], seed: int, iteration: int, device,
-               shared_group_size: int | None = None, record_uncond: bool = False) -> Trajectory:
+               shared_group_size: int | None = None, record_uncond: bool = False,
+               record_means: bool = False) -> Trajectory:
         """One batch of B samples: every latent and log-prob, images decoded by ``codec`` (float32 in
         [0, 1]). The first state is the unit noise of :func:`rollout.noise.rollout_noise` (keyed by
         ``sample_ids``, the global indices) times ``model.initial_scale(sigmas[0])``. Transitions after
         the SDE window take ``settings.ode_solver``, given the previous transition's (x, v, sigma).
         ``record_uncond``: keep the unconditional branch's velocities (``Trajectory.uncond_velocities``,
-        with CFG only) so that training before the first optimizer step may reuse them."""
+        with CFG only) so that training before the first optimizer step may reuse them. ``record_means``:
+        keep each transition's Gaussian mean (``Trajectory.means``)."""
         s = self.settings_for(seed, iteration)
         x, z = rollout_noise(latent_shape, self.num_steps, seed, iteration, sample_ids, shared_group_size)
         x, z = x.to(device) * model.initial_scale(float(s.sigmas[0])), z.to(device)
         embeds, null, sig = embeds.to(device), s.negative.to(device), s.sigmas.to(device)
-        latents, log_probs, previous, ode = [x], [], None, get_ode_solver(s.ode_solver)
+        latents, log_probs, means, previous, ode = [x], [], [], None, get_ode_solver(s.ode_solver)
         record = record_uncond and s.guidance_scale != 1.0
         uncond = torch.empty((x.shape[0], self.num_steps, *x.shape[1:]), device=device) if record else None
         for t in range(self.num_steps):
@@ -112,12 +114,17 @@ class Sampler:
             previous, x = (x, v, sig[t]), out.prev_sample
             latents.append(x)
             log_probs.append(out.log_prob)
-        return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), s, embeds, codec.decode(x),
+            if record_means:
+                means.append(out.mean.float())
+        traj = Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), s, embeds, codec.decode(x),
                           list(prompts), group_ids.clone(), torch.as_tensor(sample_ids), uncond)
+        traj.means = torch.stack(means, 1) if record_means else None
+        return traj
 
     def rollout(self, model, codec, prompts: EncodedSet, prompt_idx: list[int], *, latent_shape: tuple[int, ...],
                 seed: int, iteration: int, device, sample_offset: int = 0,
-                on_batch: Callable[[Trajectory], None] | None = None, record_uncond: bool = False) -> Trajectory:
+                on_batch: Callable[[Trajectory], None] | None = None, record_uncond: bool = False,
+                record_means: bool = False) -> Trajectory:
         """``cfg.group_size`` samples for each prompt in ``prompt_idx`` (indices into ``prompts``), in
         batches of ``cfg.batch_size``. Sample ``p * group_size + g`` (plus ``sample_offset``, a rank's
         share start) is the global index that seeds its noise; its group id is ``p``.
@@ -137,7 +144,7 @@ class Sampler:
             out.append(self.sample(model, codec, embeds, captions, group_ids=torch.as_tensor(groups),
                                    sample_ids=[sample_offset + i for i in ids], latent_shape=latent_shape, seed=seed,
                                    iteration=iteration, device=device, shared_group_size=shared,
-                                   record_uncond=record_uncond))
+                                   record_uncond=record_uncond, record_means=record_means))
             if on_batch is not None:
                 on_batch(out[-1])
         return Trajectory.cat(out)

@@ -73,7 +73,10 @@ class Trajectory:
     (iterations trained) each sample was drawn with, when a rollout engine records it (None = the
     current policy's); ``old_log_probs``: float32 ``[B, T]``, the log-probs of the policy at the start of
     the update recomputed in training's layout (``grpo.old_log_prob: recompute``; NaN at transitions not
-    trained), else None (``log_probs``, the behaviour policy's, serve as the old ones)."""
+    trained), else None (``log_probs``, the behaviour policy's, serve as the old ones); ``means``: float32
+    ``[B, T, *latent]``, the mean of each transition's Gaussian under the policy that drew it (its
+    ``SDEStep.mean``), when the rollout recorded them (``record_means``: losses that need the old policy's
+    per-step Gaussian, Flow-DPPO and GRPO-Guard), else None."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
@@ -86,6 +89,7 @@ class Trajectory:
     uncond_velocities: torch.Tensor | None = None
     versions: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
+    means: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -104,7 +108,8 @@ class Trajectory:
         settings = dataclasses.replace(s, negative=s.negative.to(device))
         return Trajectory(move(self.latents), move(self.log_probs), settings, self.embeds.to(device),
                           move(self.images), list(self.prompts), move(self.group_ids), move(self.sample_ids),
-                          move(self.uncond_velocities), move(self.versions), move(self.old_log_probs))
+                          move(self.uncond_velocities), move(self.versions), move(self.old_log_probs),
+                          move(self.means))
 
     def select(self, idx: torch.Tensor) -> "Trajectory":
         """The samples at ``idx`` (long ``[k]``), same settings."""
@@ -114,7 +119,7 @@ class Trajectory:
                           self.images[idx.to(self.images.device)], [self.prompts[i] for i in idx.tolist()],
                           self.group_ids[idx], self.sample_ids[idx],
                           _take(self.uncond_velocities, dev), _take(self.versions, idx),
-                          _take(self.old_log_probs, dev))
+                          _take(self.old_log_probs, dev), _take(self.means, dev))
 
     @staticmethod
     def cat(items: list["Trajectory"]) -> "Trajectory":
@@ -127,7 +132,7 @@ class Trajectory:
             [p for t in items for p in t.prompts], torch.cat([t.group_ids for t in items]),
             torch.cat([t.sample_ids for t in items]),
             _cat([t.uncond_velocities for t in items]), _cat([t.versions for t in items]),
-            _cat([t.old_log_probs for t in items]),
+            _cat([t.old_log_probs for t in items]), _cat([t.means for t in items]),
         )
 
 

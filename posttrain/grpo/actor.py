@@ -40,7 +40,8 @@ def build_rollout_actor(cfg, perf: PerfConfig, *, policy, sampling_model: Callab
     update's choice in the trainer, the policy or its merged copy at the held weights in a worker); ``sampler``, ``codec`` and ``prompts``
     (the training prompt set) as built from the export; ``image_size`` the export's square size in
     pixels (the latent shape follows from the codec). ``keep_uncond`` False never keeps the
-    unconditional velocities, else :func:`record_uncond` decides. Raises ``ValueError`` for an unknown
+    unconditional velocities, else :func:`record_uncond` decides. Each transition's Gaussian mean is kept
+    when the loss part declares ``needs_old_means``. Raises ``ValueError`` for an unknown
     precision."""
 
     @contextmanager
@@ -52,4 +53,5 @@ def build_rollout_actor(cfg, perf: PerfConfig, *, policy, sampling_model: Callab
     return RolloutActor(model=model, codec=codec, sampler=sampler, prompts=prompts,
                         latent_shape=codec.latent_shape(image_size, image_size), seed=cfg.train.seed,
                         precision=Precision(rollout_precision(cfg), device),
-                        record_uncond=keep_uncond and record_uncond(cfg, perf), device=device)
+                        record_uncond=keep_uncond and record_uncond(cfg, perf), device=device,
+                        record_means=getattr(cfg.grpo.loss_class()[0], "needs_old_means", False))

@@ -131,7 +131,13 @@ def transition_loss(policy, traj: Trajectory, t: int | list[int], advantages: to
     if loss.needs_reference:
         with torch.no_grad(), policy.reference() as ref_model:
             ref = log_prob(ref_model, traj, ts)
-    value, stats = loss(new, old, adv, keep, ref)
+    kwargs = {}
+    if loss.needs_old_means:
+        if traj.means is None:
+            raise ValueError(f"grpo.loss.name: {type(loss).__name__} needs the rollout's per-step means and this "
+                             f"trajectory has none (a rollout that did not record them)")
+        kwargs["old_mean"] = traj.means[:, ts].transpose(0, 1).reshape(-1, *traj.means.shape[2:]).to(new.mean.device)
+    value, stats = loss(new, old, adv, keep, ref, **kwargs)
     return value, {**stats, **extra}
 
 
@@ -153,7 +159,7 @@ class GRPOUpdate:
     The ``"transition"`` update engine: it provides recomputed log-probs (``supports``) and runs under
     ``torchrun``."""
 
-    supports: ClassVar[frozenset[str]] = frozenset({"needs_log_probs"})
+    supports: ClassVar[frozenset[str]] = frozenset({"needs_log_probs", "needs_old_means"})
     distributed: ClassVar[bool] = True
 
     def __init__(self, cfg: GRPOAlgorithmConfig, perf: PerfConfig | None = None, parts: GRPOParts | None = None,
@@ -225,9 +231,11 @@ class GRPOUpdate:
         first inner epoch of :meth:`__call__` will compute them (its mini-batches, transition chunks,
         CFG branches and autocast), so the first mini-batch's ratio is 1 up to autograd's effect on
         the kernels, whatever the rollout ran with. Only for log-prob losses (not the forward-process
-        updates)."""
+        updates). A loss that reads the old means (``needs_old_means``) gets them recomputed with the
+        log-probs, in ``traj.means``."""
         perf, n = self.perf, len(traj)
         old = torch.full_like(traj.log_probs, float("nan"), dtype=torch.float32)
+        means = traj.means.clone() if self.parts.loss.needs_old_means and traj.means is not None else None
         reuse = traj.uncond_velocities is not None and records_uncond(perf, self.cfg.detach_uncond,
                                                                       traj.settings.guidance_scale)
         policy.model.train()
@@ -241,7 +249,12 @@ class GRPOUpdate:
                                    perf.uncond_in_batch, reuse)
             for chunk, real in equal_chunks(transitions, per):
                 with runtime.autocast():
-                    lp = log_prob(branches, mb, chunk).log_prob.float().reshape(len(chunk), len(idx))
+                    step = log_prob(branches, mb, chunk)
+                lp = step.log_prob.float().reshape(len(chunk), len(idx))
                 for j, t in enumerate(chunk if real else []):
                     old[rows, t] = lp[j].to(old.device)
+                    if means is not None:
+                        means[rows.to(means.device), t] = step.mean.float()[j * len(idx):(j + 1) * len(idx)].to(means.device)
         traj.old_log_probs = old
+        if means is not None:
+            traj.means = means

@@ -35,6 +35,14 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     return loss, stats
 
 
+def masked_reference_kl(new, ref, mask: torch.Tensor) -> torch.Tensor:
+    """float32 scalar: the mean over rows where ``mask`` (bool ``[k]``) of :func:`kl_to_reference` between
+    the policy's and the reference's steps ``new`` / ``ref`` (:class:`rollout.sde.SDEStep`, the policy's
+    ``step_std``): the beta term of Flow-GRPO's loss (eq. 8)."""
+    w = mask.float()
+    return (kl_to_reference(new.mean, ref.mean, new.step_std) * w).sum() / w.sum().clamp(min=1.0)
+
+
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, step_std: torch.Tensor) -> torch.Tensor:
     """float32 ``[B]``: per-element mean of (mean - ref_mean)^2 / (2 step_std^2), the KL between
     N(mean, step_std^2) and N(ref_mean, step_std^2) per element; ``mean``/``ref_mean`` ``[B, ...]``,

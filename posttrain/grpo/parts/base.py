@@ -16,6 +16,8 @@ Class attributes (fixed for the class, checked at config load):
 - ``needs_groups``: mini-batches of whole prompt groups.
 - ``keeps_old``: may keep an EMA old copy of the policy (its schedule is ``old_decay``).
 - ``rollout_with_old``: samples the rollouts with that old copy.
+- ``needs_old_means``: reads the old policy's per-step Gaussian mean (``Trajectory.means``, recorded by
+  the rollout; recomputed with the old log-probs under ``grpo.old_log_prob: recompute``).
 
 Instance attributes (set by the part from its options; the class values are the defaults):
 
@@ -31,7 +33,7 @@ from posttrain.grpo.old_policy import OldDecay
 from pretrain.registry import Registry
 
 #: Capabilities an update engine may provide (its ``supports``), named as the loss part's attributes.
-CAPABILITIES = ("needs_log_probs", "needs_groups", "keeps_old", "rollout_with_old")
+CAPABILITIES = ("needs_log_probs", "needs_groups", "keeps_old", "rollout_with_old", "needs_old_means")
 
 #: ``update`` names -> update engine classes (lazy: imported on use). An engine has ``supports``
 #: (a frozenset of :data:`CAPABILITIES`) and ``distributed`` (whether it runs under ``torchrun``).
@@ -52,6 +54,7 @@ class LossPart:
     needs_groups: ClassVar[bool] = False
     keeps_old: ClassVar[bool] = False
     rollout_with_old: ClassVar[bool] = False
+    needs_old_means: ClassVar[bool] = False
     needs_reference: bool = False
     old_decay: OldDecay | None = None
 

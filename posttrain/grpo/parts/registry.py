@@ -27,7 +27,9 @@ Contracts (N samples of one iteration, every tensor float32 unless said otherwis
   With ``update = "transition"`` (:class:`posttrain.grpo.update.GRPOUpdate`):
   ``part(new, old_log_prob [k], advantages [k], mask bool [k], ref) -> (loss scalar, stats)`` over k
   rows of transitions, ``new``/``ref`` the recomputed steps (:class:`rollout.sde.SDEStep`) of the
-  policy and of the reference model; ``ref`` is None unless ``needs_reference`` is true.
+  policy and of the reference model; ``ref`` is None unless ``needs_reference`` is true; a part that
+  declares ``needs_old_means`` is also given ``old_mean=`` float32 ``[k, *latent]``, the old policy's
+  per-step Gaussian means of the same rows.
   With ``update = "forward"`` (:class:`posttrain.grpo.forward_update.ForwardProcessUpdate`; ``nft``,
   ``awm``, ``dgpo``): ``part(batch) -> (loss scalar, stats)`` with ``batch`` a
   :class:`posttrain.grpo.forward_update.ForwardBatch`; the part has ``draw`` (its

@@ -1,0 +1,41 @@
+"""Policy loss ``grpo_guard``: GRPO-Guard's regulated clipping, PPO-clip on the normalised per-step ratio
+with per-step re-weighting, plus beta * KL to the reference (Wang et al. 2025, arXiv 2510.22319; the math
+is :mod:`posttrain.objectives.trust_region`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.grpo.parts.reference_kl import ReferenceKLLoss, require_above_zero, require_beta
+from posttrain.grpo.parts.registry import LOSSES
+from posttrain.objectives.trust_region import guarded_clip_loss
+
+
+@LOSSES.register("grpo_guard")
+class GRPOGuard(ReferenceKLLoss):
+    """loss = weighted mean over unmasked rows of max(-A r~, -A clip(r~, 1 - clip_range, 1 + clip_range)),
+    r~ the normalised ratio, weights 1 / |dt| (``reweight``) + beta * KL(policy || reference)."""
+
+    needs_old_means = True
+
+    @dataclass
+    class Config:
+        """``clip_range``: PPO clip on the normalised ratio (exp of a per-element mean, as Flow-GRPO's: 1e-4
+        to 1e-3); ``reweight``: weight each transition by 1 / |dt|; ``beta``:
+        :func:`posttrain.grpo.parts.reference_kl.require_beta`."""
+
+        clip_range: float = 1e-3
+        reweight: bool = True
+        beta: float = 0.0
+
+        def validate(self, prefix: str = "") -> None:
+            require_above_zero(prefix, "clip_range", self.clip_range)
+            require_beta(prefix, self.beta)
+
+    def __call__(self, new, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ref=None, *,
+                 old_mean: torch.Tensor):
+        loss, stats = guarded_clip_loss(new.log_prob, old_log_prob, new.mean, old_mean, new.step_std, new.std_dev_t,
+                                        advantages, self.cfg.clip_range, self.cfg.reweight, mask)
+        return self.with_reference_kl(loss, stats, new, ref, mask)
