@@ -184,8 +184,12 @@ def write_report(cfg: SweepConfig) -> Path:
         rows, target = arm_table(cfg, task, data)
         png = plot_task(cfg, task, data, target, root / f"{task}.png")
         t = cfg.tasks[task]
+        base = data.get(cfg.baseline) or []
+        start = float(np.mean([prompt_mean(runs[0]["reward"]) for runs in base])) if base else float("nan")
+        moot = (f" {cfg.baseline} ended at or below its start ({start:+.4f}), so every run starts at the target: "
+                f"the seconds-to-reach column says nothing here; compare the gains." if start >= target else "")
         lines += [f"## {task}", "", f"Held-out reward `{t.reward}`, guard reward `{t.guard_reward}`. Target: "
-                  f"{cfg.baseline}'s final held-out {short(t.reward)}, {target:+.4f}.", "", *rows, "",
+                  f"{cfg.baseline}'s final held-out {short(t.reward)}, {target:+.4f}.{moot}", "", *rows, "",
                   f"![{task}]({png.name})", ""]
     path = root / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -51,6 +51,17 @@ def test_report_header_and_curves_are_true_past_a_short_budget(tmp_path):
     for arm, final in (("flow_grpo", -1.9345), ("nft", -1.5)):
         curve = on_grid(data[arm][0], "reward", grid)
         assert curve[np.isfinite(curve)][-1] == final  # the plotted curve ends at the table's final value
+    assert "says nothing here" not in report  # the baseline gained: its final is a target to reach
+
+
+def test_a_baseline_that_fell_makes_the_time_to_reach_moot(tmp_path):
+    cfg = load_config(SweepConfig, SWEEP, [f"run_dir={tmp_path}", "budget_s=20", "eval_every_s=10", "seeds=[0]"])
+    out = run_dir_of(cfg, "jpeg", "flow_grpo", 0)
+    out.mkdir(parents=True)
+    (out / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (_probe(0, 0.0, -2.0),
+                                                                               _probe(1, 30.0, -2.5))))
+    report = write_report(cfg).read_text()
+    assert "flow_grpo ended at or below its start (-2.0000), so every run starts at the target" in report
 
 
 def test_an_open_ended_progress_bar_has_no_eta(tmp_path):
