@@ -22,11 +22,13 @@ class GRPOGuard(ReferenceKLLoss):
 
     @dataclass
     class Config:
-        """``clip_range``: PPO clip on the normalised ratio (exp of a per-element mean, as Flow-GRPO's: 1e-4
-        to 1e-3); ``reweight``: weight each transition by 1 / |dt|; ``beta``:
+        """``clip_range``: PPO clip on the normalised ratio, whose log is the raw log-ratio times step_std and
+        so smaller than Flow-GRPO's: on the shapes sweep (docs/results.md) it spread about +/-1e-4 where the
+        raw ratio spread +/-5e-4, and a clip of 1e-3 never acted (verl-omni uses 2e-6 at SD3.5's scale);
+        ``reweight``: weight each transition by 1 / |dt|; ``beta``:
         :func:`posttrain.grpo.parts.reference_kl.require_beta`."""
 
-        clip_range: float = 1e-3
+        clip_range: float = 1e-4
         reweight: bool = True
         beta: float = 0.0
 
