@@ -105,6 +105,9 @@ def check_engine(cfg: GRPOConfig) -> None:
     ro, eng, g = cfg.rollout, cfg.engine, cfg.grpo
     loss, options = g.loss_class()
     check_loss(loss, g.loss["name"], step=ro.step, rollout_engine=eng.name, world_size=launched_world_size())
+    check_options = getattr(loss, "check_options", None)
+    if check_options is not None:
+        check_options(options, ro.step, "grpo.loss.")
     if isinstance(options, ForwardDraw):
         options.candidates(ro.num_inference_steps, "grpo.loss.")
     grouped = groupwise_rewards(cfg.rewards)

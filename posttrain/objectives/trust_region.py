@@ -65,7 +65,8 @@ def guarded_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: 
                       advantages: torch.Tensor, clip_range: float, reweight: bool = True,
                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """GRPO-Guard: PPO-clip on the normalised ratio (:func:`normalized_log_ratio`), each row weighted by
-    1 / |dt| = (std_dev_t / step_std)^2 when ``reweight`` (the paper's per-step gradient re-weighting, in
+    1 / |dt| = (std_dev_t / step_std)^2 when ``reweight`` (the ``sde`` step's step_std = std_dev_t
+    sqrt(|dt|); the ``grpo_guard`` part refuses other steps with it) (the paper's per-step gradient re-weighting, in
     the form verl-omni and Flow-Factory use), the weighted mean over kept rows. Returns (float32 loss,
     detached stats: ratio min/mean/max, ``clip_frac``, ``step_weight_mean``)."""
     ratio = torch.exp(normalized_log_ratio(log_prob, old_log_prob, mean, old_mean, step_std))

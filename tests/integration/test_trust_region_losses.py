@@ -36,7 +36,7 @@ def test_first_minibatch_is_on_policy_and_later_epochs_move(loss, tiny_export, t
     for rec in recs:
         assert rec["ratio_max"] > 1 + 1e-6 or rec["ratio_min"] < 1 - 1e-6  # 4 mini-batches: the policy moved
         if "masked_frac" in rec:
-            assert rec["kl_old_max"] > 0.0 and 0.0 <= rec["masked_frac"] <= 1.0
+            assert rec["kl_old_max"] > 0.0  # later mini-batches are off the old policy
 
 
 @pytest.mark.parametrize("loss", [["grpo.loss.name=flow_dppo", "~grpo.loss.clip_range"],
@@ -49,23 +49,43 @@ def test_one_minibatch_per_iteration_is_ratio_one(loss, tiny_export, tmp_path):
         assert rec.get("masked_frac", 0.0) == 0.0 and rec["grad_norm"] > 0
 
 
-def test_recompute_sets_the_old_means_from_the_update_layout(tiny_export, tmp_path, monkeypatch):
-    """With ``grpo.old_log_prob: recompute`` the old means are the policy's at the start of the update,
-    computed as the first epoch computes them: the first mini-batch's KL to them is 0 up to rounding."""
-    kls = []
-    from posttrain.objectives import trust_region
+@pytest.mark.parametrize("recompute", [True, False])
+def test_recompute_replaces_the_rollouts_means(recompute, tiny_export, tmp_path, monkeypatch):
+    """The rollout's recorded means are shifted by 0.1 on purpose: with ``grpo.old_log_prob: recompute``
+    the update recomputes them (the first mini-batch's KL to them is 0 up to rounding), without it the
+    loss sees the shifted ones."""
+    from rollout.sampler import Sampler
 
-    real = trust_region.divergence_masked_loss
+    kls, sample = [], Sampler.sample
+
+    def shifted(self, *args, **kw):
+        traj = sample(self, *args, **kw)
+        if traj.means is not None:
+            traj.means = traj.means + 0.1
+        return traj
+
+    real = __import__("posttrain.objectives.trust_region", fromlist=["x"]).divergence_masked_loss
 
     def spy(*args, **kw):
         loss, stats = real(*args, **kw)
         kls.append(stats["kl_old_max"])
         return loss, stats
 
+    monkeypatch.setattr(Sampler, "sample", shifted)
     monkeypatch.setattr("posttrain.grpo.parts.flow_dppo.divergence_masked_loss", spy)
     grpo_train(grpo_config(tmp_path, tiny_export, "train.steps=1", "train.batch_size=16", "grpo.loss.beta=0.0",
-                           "grpo.loss.name=flow_dppo", "~grpo.loss.clip_range", "grpo.old_log_prob=recompute"))
-    assert kls and max(kls) < 1e-10, kls
+                           "grpo.loss.name=flow_dppo", "~grpo.loss.clip_range",
+                           f"grpo.old_log_prob={'recompute' if recompute else 'rollout'}"))
+    assert kls
+    assert (max(kls) < 1e-10) if recompute else (min(kls) > 1e-3), kls
+
+
+def test_grpo_guard_reweight_needs_the_sde_step(tiny_export, tmp_path):
+    from pretrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"grpo\.loss\.reweight: the 1 / \|dt\| weights need rollout\.step: sde"):
+        grpo_config(tmp_path, tiny_export, "grpo.loss.name=grpo_guard", "rollout.step=cps")
+    grpo_config(tmp_path, tiny_export, "grpo.loss.name=grpo_guard", "rollout.step=cps", "grpo.loss.reweight=false")
 
 
 def test_a_loss_that_needs_old_means_is_refused_by_the_forward_engine():

@@ -42,6 +42,13 @@ def test_divergence_mask_by_hand():
     assert loss2.item() == pytest.approx(expected.item(), rel=1e-6)
     # the same blocked row under a looser threshold passes
     assert divergence_masked_loss(lp2, old2, mean, old_mean, std, adv, kl_threshold=1.0)[1]["masked_frac"] == 0.0
+    # the other side: far, r < 1 (x nearer the old mean) with A < 0 -> blocked; with A > 0 (pulling back) kept
+    x3 = torch.tensor([[-1.0]])
+    lp3, old3 = _log_prob(x3, mean[1:2], std[:1]), _log_prob(x3, old_mean[:1], std[:1])
+    assert torch.exp(lp3 - old3).item() < 1
+    m = mean[1:2]
+    assert divergence_masked_loss(lp3, old3, m, old_mean[:1], std[:1], torch.tensor([-1.0]), 1e-6)[1]["masked_frac"] == 1.0
+    assert divergence_masked_loss(lp3, old3, m, old_mean[:1], std[:1], torch.tensor([1.0]), 1e-6)[1]["masked_frac"] == 0.0
 
 
 def test_normalized_ratio_is_noise_times_mean_shift_and_one_without_a_shift():
@@ -57,7 +64,8 @@ def test_normalized_ratio_is_noise_times_mean_shift_and_one_without_a_shift():
     same = normalized_log_ratio(_log_prob(x, old_mean, std), _log_prob(x, old_mean, std), old_mean, old_mean, std)
     assert torch.equal(same, torch.zeros(6))  # ratio exactly 1 before any update
     raw = (_log_prob(x, old_mean + shift, std) - _log_prob(x, old_mean, std))
-    assert raw.mean() < z.mean()  # the raw log-ratio is shifted below 0 by b = KL
+    b = (shift.square().flatten(1).mean(1) / (2 * std.square()))
+    assert raw.tolist() == pytest.approx((z / std - b).tolist(), abs=1e-4)  # the raw log-ratio sits at -b on average
 
 
 def test_guarded_clip_weights_rows_by_inverse_dt():
@@ -71,3 +79,13 @@ def test_guarded_clip_weights_rows_by_inverse_dt():
     assert loss.item() == pytest.approx((-1.0 * 4 - 2.0 * 100) / 2)
     flat, _ = guarded_clip_loss(lp, lp.detach(), mean, torch.zeros(2, 1), step_std, std_dev_t, adv, 1e-3, reweight=False)
     assert flat.item() == pytest.approx(-1.5)
+    # clipping on the normalised ratio: a row whose normalised log-ratio is 0.01 > clip 1e-3 with A > 0 is clipped
+    old = torch.zeros(1, 1)
+    new_mean = torch.full((1, 1), 0.02, requires_grad=True)
+    x = torch.full((1, 1), 0.5)  # eps = 0.5 / 1: normalised log-ratio = eps * shift = 0.01
+    one = torch.ones(1)
+    lp_new, lp_old = _log_prob(x, new_mean, one), _log_prob(x, old, one)
+    clipped, st = guarded_clip_loss(lp_new, lp_old, new_mean, old, one, one, one, 1e-3, reweight=False)
+    assert st["clip_frac"] == 1.0 and clipped.item() == pytest.approx(-(1 + 1e-3))
+    clipped.backward()
+    assert new_mean.grad.abs().item() == 0.0  # past the clip, no gradient

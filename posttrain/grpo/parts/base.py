@@ -19,6 +19,10 @@ Class attributes (fixed for the class, checked at config load):
 - ``needs_old_means``: reads the old policy's per-step Gaussian mean (``Trajectory.means``, recorded by
   the rollout; recomputed with the old log-probs under ``grpo.old_log_prob: recompute``).
 
+A loss may also define ``check_options(options, step, prefix)``, a classmethod called at config load with
+its options and the ``rollout.step``, to refuse a combination only it knows about (``ValueError`` naming
+the key).
+
 Instance attributes (set by the part from its options; the class values are the defaults):
 
 - ``needs_reference``: reads the reference model (adapters disabled, or the frozen copy).

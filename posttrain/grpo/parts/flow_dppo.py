@@ -14,8 +14,10 @@ from posttrain.objectives.trust_region import divergence_masked_loss
 
 @LOSSES.register("flow_dppo")
 class FlowDPPO(ReferenceKLLoss):
-    """loss = masked mean of -A r over the rows that the divergence mask keeps + beta * KL(policy ||
-    reference); the old policy's per-step means come from the rollout (``needs_old_means``)."""
+    """loss = mean over unmasked rows of -A r, a row the divergence mask blocks counting as 0, + beta *
+    KL(policy || reference); the old policy's per-step means come from the rollout (``needs_old_means``;
+    with a bf16 rollout and fp32 training, ``grpo.old_log_prob: recompute`` keeps kernel noise in the old
+    means out of a KL compared with a 1e-5 threshold)."""
 
     needs_old_means = True
 

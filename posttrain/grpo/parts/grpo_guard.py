@@ -36,6 +36,15 @@ class GRPOGuard(ReferenceKLLoss):
             require_above_zero(prefix, "clip_range", self.clip_range)
             require_beta(prefix, self.beta)
 
+    @classmethod
+    def check_options(cls, options: "GRPOGuard.Config", step: str, prefix: str) -> None:
+        """``reweight`` reads 1 / |dt| as (std_dev_t / step_std)^2, which holds for the ``sde`` step only
+        (``cps`` and ``ddim`` draw their noise with std_dev_t itself): refused elsewhere, naming the key."""
+        if options.reweight and step != "sde":
+            raise ValueError(f"{prefix}reweight: the 1 / |dt| weights need rollout.step: sde (rollout.step "
+                             f"'{step}' draws its noise with a std that is not std_dev_t sqrt(|dt|)); set "
+                             f"{prefix}reweight=false")
+
     def __call__(self, new, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ref=None, *,
                  old_mean: torch.Tensor):
         loss, stats = guarded_clip_loss(new.log_prob, old_log_prob, new.mean, old_mean, new.step_std, new.std_dev_t,
