@@ -25,7 +25,7 @@ def _ratio_stats(ratio: torch.Tensor, sel: torch.Tensor) -> dict:
 
 
 def divergence_masked_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor,
-                           old_mean: torch.Tensor, step_std: torch.Tensor, advantages: torch.Tensor,
+                           old_mean: torch.Tensor, step_std: torch.Tensor, advantages: torch.Tensor, *,
                            kl_threshold: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Flow-DPPO (Ping et al. 2026, arXiv 2606.11025; the reference code's KL-ADV mask): the unclipped
     surrogate -A r, r = exp(log_prob - old_log_prob), with a row's gradient blocked only when the exact
@@ -61,7 +61,7 @@ def normalized_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mea
 
 
 def guarded_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor,
-                      old_mean: torch.Tensor, step_std: torch.Tensor, std_dev_t: torch.Tensor,
+                      old_mean: torch.Tensor, step_std: torch.Tensor, std_dev_t: torch.Tensor, *,
                       advantages: torch.Tensor, clip_range: float, reweight: bool = True,
                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """GRPO-Guard: PPO-clip on the normalised ratio (:func:`normalized_log_ratio`), each row weighted by

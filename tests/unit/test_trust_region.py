@@ -47,8 +47,9 @@ def test_divergence_mask_by_hand():
     lp3, old3 = _log_prob(x3, mean[1:2], std[:1]), _log_prob(x3, old_mean[:1], std[:1])
     assert torch.exp(lp3 - old3).item() < 1
     m = mean[1:2]
-    assert divergence_masked_loss(lp3, old3, m, old_mean[:1], std[:1], torch.tensor([-1.0]), 1e-6)[1]["masked_frac"] == 1.0
-    assert divergence_masked_loss(lp3, old3, m, old_mean[:1], std[:1], torch.tensor([1.0]), 1e-6)[1]["masked_frac"] == 0.0
+    for a, blocked in ((-1.0, 1.0), (1.0, 0.0)):
+        _, st3 = divergence_masked_loss(lp3, old3, m, old_mean[:1], std[:1], torch.tensor([a]), kl_threshold=1e-6)
+        assert st3["masked_frac"] == blocked
 
 
 def test_normalized_ratio_is_noise_times_mean_shift_and_one_without_a_shift():
@@ -73,11 +74,13 @@ def test_guarded_clip_weights_rows_by_inverse_dt():
     step_std, std_dev_t = torch.tensor([0.5, 0.1]), torch.tensor([1.0, 1.0])  # |dt| = 0.25 and 0.01
     lp = torch.zeros(2)
     adv = torch.tensor([1.0, 2.0])
-    loss, stats = guarded_clip_loss(lp, lp.detach(), mean, torch.zeros(2, 1), step_std, std_dev_t, adv, 1e-3)
+    zero = torch.zeros(2, 1)
+    loss, stats = guarded_clip_loss(lp, lp.detach(), mean, zero, step_std, std_dev_t, advantages=adv, clip_range=1e-3)
     # ratio 1 everywhere: per-row loss -A, weights 4 and 100, mean over 2 rows
     assert stats["ratio_mean"] == 1.0 and stats["step_weight_mean"] == pytest.approx(52.0)
     assert loss.item() == pytest.approx((-1.0 * 4 - 2.0 * 100) / 2)
-    flat, _ = guarded_clip_loss(lp, lp.detach(), mean, torch.zeros(2, 1), step_std, std_dev_t, adv, 1e-3, reweight=False)
+    flat, _ = guarded_clip_loss(lp, lp.detach(), mean, zero, step_std, std_dev_t, advantages=adv, clip_range=1e-3,
+                                reweight=False)
     assert flat.item() == pytest.approx(-1.5)
     # clipping on the normalised ratio: a row whose normalised log-ratio is 0.01 > clip 1e-3 with A > 0 is clipped
     old = torch.zeros(1, 1)
@@ -85,7 +88,8 @@ def test_guarded_clip_weights_rows_by_inverse_dt():
     x = torch.full((1, 1), 0.5)  # eps = 0.5 / 1: normalised log-ratio = eps * shift = 0.01
     one = torch.ones(1)
     lp_new, lp_old = _log_prob(x, new_mean, one), _log_prob(x, old, one)
-    clipped, st = guarded_clip_loss(lp_new, lp_old, new_mean, old, one, one, one, 1e-3, reweight=False)
+    clipped, st = guarded_clip_loss(lp_new, lp_old, new_mean, old, one, one, advantages=one, clip_range=1e-3,
+                                    reweight=False)
     assert st["clip_frac"] == 1.0 and clipped.item() == pytest.approx(-(1 + 1e-3))
     clipped.backward()
     assert new_mean.grad.abs().item() == 0.0  # past the clip, no gradient

@@ -37,5 +37,5 @@ class FlowDPPO(ReferenceKLLoss):
     def __call__(self, new, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ref=None, *,
                  old_mean: torch.Tensor):
         loss, stats = divergence_masked_loss(new.log_prob, old_log_prob, new.mean, old_mean, new.step_std,
-                                             advantages, self.cfg.kl_threshold, mask)
+                                             advantages, kl_threshold=self.cfg.kl_threshold, mask=mask)
         return self.with_reference_kl(loss, stats, new, ref, mask)

@@ -48,5 +48,6 @@ class GRPOGuard(ReferenceKLLoss):
     def __call__(self, new, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ref=None, *,
                  old_mean: torch.Tensor):
         loss, stats = guarded_clip_loss(new.log_prob, old_log_prob, new.mean, old_mean, new.step_std, new.std_dev_t,
-                                        advantages, self.cfg.clip_range, self.cfg.reweight, mask)
+                                        advantages=advantages, clip_range=self.cfg.clip_range,
+                                        reweight=self.cfg.reweight, mask=mask)
         return self.with_reference_kl(loss, stats, new, ref, mask)
