@@ -205,7 +205,8 @@ class PairwiseJudge(RemoteJudge):
         meta = metadata or {}
         for key in ("sample_ids", "group_ids"):
             if meta.get(key) is not None and len(meta[key]) != len(prompts):
-                raise ValueError(f"pairwise_remote: metadata {key} has {len(meta[key])} entries for {len(prompts)} samples")
+                raise ValueError(f"pairwise_remote: metadata {key} has {len(meta[key])} entries for "
+                                 f"{len(prompts)} samples")
         ids = [int(i) for i in meta["sample_ids"]] if "sample_ids" in meta else list(range(len(prompts)))
         it = int(meta.get("iteration", 0))
         items, shown, alone = [], [], []

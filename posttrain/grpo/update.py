@@ -254,7 +254,8 @@ class GRPOUpdate:
                 for j, t in enumerate(chunk if real else []):
                     old[rows, t] = lp[j].to(old.device)
                     if means is not None:
-                        means[rows.to(means.device), t] = step.mean.float()[j * len(idx):(j + 1) * len(idx)].to(means.device)
+                        rows_j = step.mean.float()[j * len(idx):(j + 1) * len(idx)]
+                        means[rows.to(means.device), t] = rows_j.to(means.device)
         traj.old_log_probs = old
         if means is not None:
             traj.means = means

@@ -215,4 +215,5 @@ def test_eval_config_refuses_bad_sizes_and_a_groupwise_reward_without_groups(ser
         EvalConfig(rewards=["pairwise_remote"], reward_params=params, samples_per_prompt=1).validate()
     EvalConfig(rewards=["pairwise_remote"], reward_params=params, samples_per_prompt=2).validate()
     assert redacted({"api_key": "k", "extra_body": {"headers": [{"token": "t"}]}, "url": "https://u:p@host/v1"}) == {
-        "api_key": "<redacted>", "extra_body": {"headers": [{"token": "<redacted>"}]}, "url": "https://<redacted>@host/v1"}
+        "api_key": "<redacted>", "extra_body": {"headers": [{"token": "<redacted>"}]},
+        "url": "https://<redacted>@host/v1"}

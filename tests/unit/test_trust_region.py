@@ -1,4 +1,5 @@
-"""Flow-DPPO's divergence mask and GRPO-Guard's normalised ratio in closed form (posttrain/objectives/trust_region.py)."""
+"""Flow-DPPO's divergence mask and GRPO-Guard's normalised ratio in closed form
+(posttrain/objectives/trust_region.py)."""
 
 import math
 
