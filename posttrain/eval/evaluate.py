@@ -62,12 +62,12 @@ class EvalConfig:
         if self.mark is not None and self.mark not in self.rewards:
             raise ValueError(f"{prefix}mark: '{self.mark}' is not one of {prefix}rewards {self.rewards}")
         names = [parse_eval_reward(entry, f"{prefix}rewards")[0] for entry in self.rewards]
+        for entry in self.rewards:  # an unknown reward name first, before the parameters blamed for it
+            name, params = self.reward(entry, prefix)
+            check_reward_weights({name: {"weight": 1.0, **params}}, f"{prefix}rewards")
         for name in self.reward_params:
             if name not in names:
                 raise ValueError(f"{prefix}reward_params: '{name}' is not one of {prefix}rewards {self.rewards}")
-        for entry in self.rewards:
-            name, params = self.reward(entry, prefix)
-            check_reward_weights({name: {"weight": 1.0, **params}}, f"{prefix}rewards")
         require_positive(self, prefix, "num_prompts", "samples_per_prompt", "num_inference_steps", "batch_size")
         grouped = groupwise_rewards({name: 1.0 for name in names}, f"{prefix}rewards")
         if grouped and self.samples_per_prompt < 2:

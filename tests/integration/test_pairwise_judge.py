@@ -202,7 +202,9 @@ def test_eval_records_each_judges_parameters_and_request_settings(server, tiny_e
     assert again["rewards"]["remote"][0].equal(first["rewards"]["remote"][0])
     assert sorted(b.get("seed") or 0 for b in server.bodies[len(sent):]) == sorted(s or 0 for s in sent)
     with pytest.raises(ValueError, match=r"^reward_params: 'jpeg' is not one of rewards"):
-        EvalConfig(rewards=["remote"], reward_params={"jpeg": {}}).validate()
+        EvalConfig(rewards=["jpeg_compressibility"], reward_params={"jpeg": {}}).validate()
+    with pytest.raises(ValueError, match=r"unknown reward\(s\) \['pairwise_remot'\]"):  # a typo in the name itself
+        EvalConfig(rewards=["pairwise_remot"], reward_params={"pairwise_remote": {}}).validate()
 
 
 def test_eval_config_refuses_bad_sizes_and_a_groupwise_reward_without_groups(server):
