@@ -21,10 +21,14 @@ import torch
 from rewards.pairwise import PairwiseJudge
 from rewards.remote import RemoteJudge
 
-pytestmark = pytest.mark.long
-
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("POSTTRAIN_VLLM_VENV", ROOT / ".venv-vllm"))
+PYTHON = VENV / "bin/python"
+
+# The long tier; without the vLLM venv every test here is skipped, saying how to create it.
+pytestmark = [pytest.mark.long,
+              pytest.mark.skipif(not PYTHON.exists(), reason=f"no vLLM venv at {VENV}: create it with `bash "
+                                 f"scripts/vllm_cpu_venv.sh` (3-7 min, ~3.5 GB) or point POSTTRAIN_VLLM_VENV at one")]
 MODEL = "tiny-judge"
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never through a proxy
 SCORE = {"structured_outputs": {"regex": "Score: [0-9]"}}
@@ -85,10 +89,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    python = VENV / "bin/python"
-    if not python.exists():
-        pytest.skip(f"no vLLM venv at {VENV}: create it with `bash scripts/vllm_cpu_venv.sh` (3-7 min, ~3.5 GB) "
-                    f"or point POSTTRAIN_VLLM_VENV at one")
+    python = PYTHON
     folder = tmp_path_factory.mktemp("vllm")
     subprocess.run([str(python), str(ROOT / "tests/integration/vllm_tiny_judge.py"), str(folder / "judge")],
                    check=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
