@@ -12,17 +12,11 @@ from pretrain.flow import interpolate, velocity_target
 from pretrain.text_encoder import PromptEmbeds
 
 
-def flow_errors(model, x0: torch.Tensor, embeds: PromptEmbeds, noise: torch.Tensor, sigma: torch.Tensor
-                ) -> torch.Tensor:
-    """Velocity error of a flow-matching ``model(x_sigma, sigma, embeds) -> v``: float32 ``[N]``,
-    mean over elements of (v - (eps - x0))^2 at x_sigma = (1 - sigma) x0 + sigma eps."""
-    return flow_residuals(model, x0, embeds, noise, sigma).square().flatten(1).mean(1)
-
-
 def flow_residuals(model, x0: torch.Tensor, embeds: PromptEmbeds, noise: torch.Tensor, sigma: torch.Tensor
                    ) -> torch.Tensor:
-    """The velocity residual v - (eps - x0) of ``model`` at x_sigma, float32 ``[N, ...]`` (what
-    :func:`flow_errors` squares and averages; the same as ``flow_matching_loss``'s)."""
+    """The velocity residual v - (eps - x0) of a flow-matching ``model(x_sigma, sigma, embeds) -> v`` at
+    x_sigma = (1 - sigma) x0 + sigma eps, float32 ``[N, ...]``; its per-sample mean square is the velocity
+    error Diffusion-DPO compares (``flow_matching_loss``'s value)."""
     v = model(interpolate(x0, noise, sigma), sigma, embeds)
     return v.float() - velocity_target(x0.float(), noise.float())
 
