@@ -12,7 +12,9 @@ import torch
 
 from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import ConfigError
-from pretrain.data.dataset import EpochSampler, build_datasets
+from pretrain.data.dataset import build_datasets
+from pretrain.data.feed import BatchFeed
+from pretrain.data.stream import sampler_for
 from pretrain.export import ExportMeta, export_model
 from pretrain.models import arch_of, build_backbone, count_parameters
 from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas, pretrain_loss
@@ -102,36 +104,56 @@ def batch_arithmetic(cfg: RuntimeConfig, n_train: int, dp: int = 1) -> str:
             f"{cfg.steps} steps = {cfg.steps * per_step / n_train:.2f} epochs")
 
 
-def train_step(model, rt: Runtime, data, sampler: EpochSampler, codec, *, null, cfg: PretrainConfig, device,
+def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: PretrainConfig, device,
                ranks: JobRanks | None = None, train_sigmas: torch.Tensor | None = None) -> dict:
-    """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` samples;
-    every rank draws the same indices and trains its ``ranks.share`` of each, with per-sample noise keyed
-    by (seed, step, index within the step), so N ranks train what one process trains. ``loss`` is the
-    mean over the global batch (all-reduced). ``train_sigmas``: the table ``flow.objective`` draws from
-    (:func:`pretrain.objective.objective_sigmas`, computed once per run), None for a continuous one.
-    Returns the step's metrics."""
+    """One optimizer step over ``train.grad_accum`` global micro-batches of ``train.batch_size`` samples
+    from ``feed`` (:class:`pretrain.data.feed.BatchFeed`: every rank draws the same indices and trains
+    its ``ranks.share`` of each), with per-sample noise keyed by (seed, step, position within the step),
+    so N ranks train what one process trains. ``loss`` is the mean over the global batch (all-reduced;
+    a rank whose share lost samples to bad data averages over the ones it kept). ``train_sigmas``: the
+    table ``flow.objective`` draws from (:func:`pretrain.objective.objective_sigmas`, computed once per
+    run), None for a continuous one. Returns the step's metrics, with ``data_wait_s`` (this rank's
+    seconds waiting for data), ``data_wait_share`` (of the step's time) and ``data_skipped`` (samples
+    skipped this step, summed over ranks)."""
     step, t0 = rt.step, time.perf_counter()
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
-    lo, hi = ranks.share(b) if ranks else (0, b)
     model.train()
-    acc, buckets, metrics = Accumulation(rt), {}, {}
+    acc, buckets, metrics, wait, skipped = Accumulation(rt), {}, {}, 0.0, []
     for micro in range(accum):
-        images, embeds, _ = data.batch(sampler.next(b)[lo:hi])
-        x0 = codec.encode(images.to(device))
-        noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, range(micro * b + lo, micro * b + hi),
-                                                 cfg.flow, train_sigmas=train_sigmas)
+        fed = feed.next()
+        wait, skipped = wait + fed.wait_s, skipped + fed.skipped
+        x0, embeds, weight = _inputs(fed, codec, null, device, feed.data.size)
+        noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, [micro * b + p for p in fed.positions]
+                                                 or [micro * b], cfg.flow, train_sigmas=train_sigmas)
         with rt.autocast():
-            per = pretrain_loss(model, x0, embeds.to(device), null, noise, sigma, drop, cfg.flow.objective,
+            per = pretrain_loss(model, x0, embeds, null, noise, sigma, drop, cfg.flow.objective,
                                 per_sample=True)
-            loss = per.mean()
+            loss = per.mean() * weight
         acc.backward(loss)
         for name, (total, n) in sigma_buckets(sigma, per.detach()).items():  # the spike detector's buckets
             before = buckets.get(name, (0.0, 0))
             buckets[name] = (before[0] + total, before[1] + n)
         # the logged loss is the global batch's (the mean over ranks)
         metrics = acc.end_micro_batch(buckets, ranks.mean if ranks else None)
-    metrics["samples_per_s"] = b * accum / (time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    if skipped:
+        log.warning("step %d: skipped %d bad sample(s): %s", step, len(skipped),
+                    "; ".join(f"{s}:{k} ({r})" for s, k, r in skipped[:5]))
+    n_skipped = round(ranks.mean([float(len(skipped))])[0] * ranks.dp_size) if ranks else len(skipped)
+    metrics.update(samples_per_s=b * accum / seconds, data_wait_s=wait, data_wait_share=wait / seconds,
+                   data_skipped=n_skipped)
     return metrics
+
+
+def _inputs(fed, codec, null, device, size: tuple[int, int]) -> tuple[torch.Tensor, object, float]:
+    """(x0, embeds, loss weight) of a fed micro-batch share: latents from a cache, else the codec's
+    encoding of the images; a share whose every sample was skipped trains one zero sample with the null
+    prompt at weight 0 (the ranks' collectives still run)."""
+    if fed.latents is not None:
+        return fed.latents.to(device), fed.embeds.to(device), 1.0
+    if fed.images is not None:
+        return codec.encode(fed.images.to(device)), fed.embeds.to(device), 1.0
+    return torch.zeros(1, *codec.latent_shape(*size), device=device), null, 0.0
 
 
 class PretrainRun:
@@ -164,7 +186,10 @@ class PretrainRun:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         ranks.shard(model, None, cfg.parallel, low_precision=cfg.train.low_precision)
-        self.sampler = EpochSampler(len(self.train_set), cfg.train.seed)
+        self.sampler = sampler_for(self.train_set, cfg.train.seed, cfg.data.shuffle_buffer)
+        self.feed = BatchFeed(self.train_set, self.sampler, cfg.train.batch_size,
+                              ranks.share(cfg.train.batch_size), workers=cfg.data.workers, prefetch=cfg.data.prefetch,
+                              pin=device.type == "cuda")
         self.rt = rt = Runtime(model, cfg.train, cfg.optim, device, run / "checkpoints", cfg.checkpoint.keep_last,
                                stateful={"sampler": self.sampler}, shape=ranks.model_parallel_shape())
         resumed = rt.start(cfg.checkpoint.resume)
@@ -191,7 +216,7 @@ class PretrainRun:
                             num_samples=cfg.eval.heldout_samples, device=self.device)
 
     def train_step(self) -> dict:
-        metrics = train_step(self.model, self.rt, self.train_set, self.sampler, self.codec, null=self.null,
+        metrics = train_step(self.model, self.rt, self.feed, self.codec, null=self.null,
                              cfg=self.cfg, device=self.device, ranks=self.ranks, train_sigmas=self.train_sigmas)
         if metrics["nonfinite"]:
             self.logger.write(f"step {self.rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "

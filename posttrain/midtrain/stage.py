@@ -30,7 +30,8 @@ from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig, StageEvalConfig
 from pretrain.config import ConfigError, require_positive
-from pretrain.data.dataset import EpochSampler
+from pretrain.data.feed import BatchFeed
+from pretrain.data.stream import sampler_for
 from pretrain.evaluation import heldout_loss
 from pretrain.models import count_parameters
 from pretrain.objective import FlowConfig, get_objective, objective_sigmas
@@ -123,7 +124,9 @@ class MidtrainRun(PolicyRun):
         ranks.shard(st.model, None, cfg.parallel, bool(cfg.perf.compile), cfg.train.low_precision)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             compile_blocks(st.model)
-        self.sampler = EpochSampler(len(st.train_set), cfg.train.seed)
+        self.sampler = sampler_for(st.train_set, cfg.train.seed, cfg.data.shuffle_buffer)
+        self.feed = BatchFeed(st.train_set, self.sampler, cfg.train.batch_size, ranks.share(cfg.train.batch_size),
+                              workers=cfg.data.workers, prefetch=cfg.data.prefetch, pin=st.device.type == "cuda")
         self.guard = Guard.for_stage(cfg.guard, st, trained=None)
         resumed = self.start_runtime({"sampler": self.sampler}, headline=("loss", "heldout_loss"))
         rt = self.rt
@@ -157,7 +160,7 @@ class MidtrainRun(PolicyRun):
         """One optimizer step (:func:`pretrain.trainer.train_step`): ``loss``, ``grad_norm``, ``lr``,
         ``samples_per_s`` and the runtime's non-finite counters (``skipped``, ``nonfinite``, ...)."""
         st = self.st
-        metrics = train_step(st.model, self.rt, st.train_set, self.sampler, st.codec, null=st.null, cfg=self.cfg,
+        metrics = train_step(st.model, self.rt, self.feed, st.codec, null=st.null, cfg=self.cfg,
                              device=st.device, ranks=self.ranks, train_sigmas=self.train_sigmas)
         if metrics["nonfinite"]:
             self.logger.write(f"step {self.rt.step}: non-finite {metrics['nonfinite']}, optimizer step skipped "

@@ -29,7 +29,7 @@ from pretrain.text_encoder import PromptEmbeds
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes")
+SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shards")
 CACHE_FORMAT = "v2"  # in every cache file's name: v1 files were pickles (torch.save) and are never read
 
 
@@ -46,7 +46,13 @@ class DataConfig:
     position and colour-attribution compositions never rendered for training. ``limit``: keep only the first N train / N//8 held-out samples (tests).
     ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
     only the train samples whose base emoji (or file) hashes into that half (two disjoint halves, e.g.
-    for two reward models); None keeps all; the held-out split is never affected."""
+    for two reward models); None keeps all; the held-out split is never affected.
+
+    "shards" (``path``: a folder of WebDataset ``.tar`` or ``.parquet`` shards, or one shard;
+    :mod:`pretrain.data.shards`) is read lazily: ``shuffle_buffer`` (the stream order's buffer,
+    :mod:`pretrain.data.stream`), ``workers`` DataLoader processes reading ``prefetch`` batches ahead each,
+    ``max_pixels`` (larger image headers are skipped unread), ``image_column`` / ``caption_column`` /
+    ``key_column`` (parquet), ``heldout_max`` (held-out samples kept in memory)."""
 
     source: str = "openmoji"
     path: str | None = None
@@ -60,6 +66,14 @@ class DataConfig:
     scenes: int = 16384
     heldout_per_category: int = 32
     layout: str = "random"
+    shuffle_buffer: int = 1000
+    workers: int = 0
+    prefetch: int = 2
+    max_pixels: int = 89_478_485
+    image_column: str = "image"
+    caption_column: str = "caption"
+    key_column: str = "key"
+    heldout_max: int = 256
 
     def validate(self, prefix: str = "") -> None:
         """``ValueError`` naming ``<prefix>source`` (unknown), ``<prefix>path`` (missing for "folder" or
@@ -67,9 +81,9 @@ class DataConfig:
         train.txt) or ``<prefix>train_half``."""
         if self.source not in SOURCES:
             raise ValueError(f"{prefix}source: unknown source '{self.source}' (known: {', '.join(SOURCES)})")
-        if self.source in ("folder", "prompts") and not self.path:
-            what = "a folder with captions.jsonl" if self.source == "folder" else \
-                "a .txt file or a folder with train.txt / test.txt"
+        if self.source in ("folder", "prompts", "shards") and not self.path:
+            what = {"folder": "a folder with captions.jsonl", "shards": "a folder of .tar or .parquet shards",
+                    "prompts": "a .txt file or a folder with train.txt / test.txt"}[self.source]
             raise ValueError(f"{prefix}path: required when {prefix}source is '{self.source}' ({what})")
         path = Path(self.path) if self.path else None
         if self.source == "folder" and not (path / "captions.jsonl").is_file():
@@ -85,6 +99,12 @@ class DataConfig:
                              f"for source 'shapes', got {self.scenes}, {self.heldout_per_category}, {self.size}")
         if self.layout not in shapes.LAYOUTS:
             raise ValueError(f"{prefix}layout: unknown '{self.layout}' (known: {', '.join(shapes.LAYOUTS)})")
+        if self.source == "shards" and not path.exists():
+            raise ValueError(f"{prefix}path: '{self.path}' does not exist (a folder of .tar or .parquet shards)")
+        if self.workers < 0 or self.prefetch < 1 or self.heldout_max < 1 or self.max_pixels < 1:
+            raise ValueError(f"{prefix}workers, {prefix}prefetch, {prefix}heldout_max, {prefix}max_pixels: must be "
+                             f">= 0, >= 1, >= 1, >= 1, got {self.workers}, {self.prefetch}, {self.heldout_max}, "
+                             f"{self.max_pixels}")
         if self.train_half not in (None, 0, 1):
             raise ValueError(f"{prefix}train_half: must be 0, 1 or null, got {self.train_half}")
 
@@ -254,6 +274,10 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         return prompt_sets(cfg, encoder)
     if cfg.source == "shapes":
         return shape_sets(cfg, encoder)
+    if cfg.source == "shards":
+        from pretrain.data.sharded_set import shard_sets
+
+        return shard_sets(cfg, encoder)
     if cfg.source == "openmoji":
         raw = load_openmoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]

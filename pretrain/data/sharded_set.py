@@ -1,0 +1,101 @@
+"""The ``shards`` data source: a train split read lazily from tar or parquet shards
+(:mod:`pretrain.data.shards`) and a small held-out split decoded up front.
+
+The split is by a hash of each sample's key (``data.heldout_fraction``), so it does not move when shards
+are added or reordered. The train split is a :class:`ShardSet`: samples are decoded when a batch asks
+for them (in DataLoader workers, :mod:`pretrain.data.feed`), captions encoded per batch. The held-out split
+keeps its first ``data.heldout_max`` usable samples in memory (an :class:`pretrain.data.dataset.EncodedSet`)
+for the held-out loss and the grids.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pretrain.data.emoji import is_heldout
+from pretrain.data.folder import DatasetError
+from pretrain.data.prompts import LazyEmbeds
+from pretrain.data.shards import BadSample, ParquetColumns, ShardIndex, ShardReader, build_index, decode_image, \
+    list_shards
+
+log = logging.getLogger(__name__)
+
+
+class ShardSet:
+    """The samples ``ids`` (positions in ``index``) of a shard set at ``height`` x ``width``.
+
+    ``get(j)`` -> (uint8 ``[3, H, W]`` tensor, caption, (shard, key)) of the j-th sample, or raises
+    :class:`pretrain.data.shards.BadSample`; ``counts()``: samples per shard (the stream order's input);
+    ``encode(captions)``: their embeddings (the run's text encoder). ``lazy = True`` marks a set the
+    feed reads through DataLoader workers."""
+
+    lazy = True
+
+    def __init__(self, index: ShardIndex, ids: np.ndarray, size: tuple[int, int], encoder,
+                 columns: ParquetColumns, max_pixels: int):
+        self.index, self.ids, self.size, self.encoder = index, ids, size, encoder
+        self.reader, self.max_pixels = ShardReader(index, columns), max_pixels
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getstate__(self):  # DataLoader workers need no text encoder
+        return {**self.__dict__, "encoder": None}
+
+    def counts(self) -> list[int]:
+        shard = np.asarray(self.index.shard, dtype=np.int64)[self.ids]
+        return np.bincount(shard, minlength=len(self.index.shards)).tolist()
+
+    def where(self, j: int) -> tuple[str, str]:
+        return self.reader.where(int(self.ids[j]))
+
+    def get(self, j: int) -> tuple[torch.Tensor, str, tuple[str, str]]:
+        i = int(self.ids[j])
+        data, caption = self.reader.read(i)
+        where = self.reader.where(i)
+        image = decode_image(data, self.size[0], self.size[1], self.max_pixels, where)
+        return torch.from_numpy(image.copy()).permute(2, 0, 1).contiguous(), caption, where
+
+    def encode(self, captions: list[str]):
+        return self.encoder.encode(captions)
+
+
+def shard_sets(cfg, encoder):
+    """(train :class:`ShardSet`, held-out ``EncodedSet``) for ``data.source: shards`` (``cfg``: the
+    ``DataConfig``). ``DatasetError`` naming ``data.path`` when a split is empty or no held-out sample
+    decodes."""
+    from pretrain.data.dataset import EncodedSet, cache_dir
+
+    columns = ParquetColumns(cfg.image_column, cfg.caption_column, cfg.key_column)
+    index = build_index(list_shards(cfg.path), cache_dir(cfg), columns)
+    held = np.array([is_heldout(k, cfg.heldout_fraction) for k in index.key], dtype=bool)
+    train_ids, held_ids = np.flatnonzero(~held), np.flatnonzero(held)
+    if cfg.limit:
+        train_ids, held_ids = train_ids[:cfg.limit], held_ids[:max(1, cfg.limit // 8)]
+    if not len(train_ids) or not len(held_ids):
+        raise DatasetError(f"data.path: the {'train' if not len(train_ids) else 'held-out'} split of '{cfg.path}' "
+                           f"is empty ({len(index)} samples, heldout_fraction={cfg.heldout_fraction})")
+    size = (cfg.size, cfg.size)
+    train = ShardSet(index, train_ids, size, encoder, columns, cfg.max_pixels)
+    pool = ShardSet(index, held_ids, size, encoder, columns, cfg.max_pixels)
+    images, captions, bad = [], [], []
+    for j in range(len(pool)):
+        if len(images) == cfg.heldout_max:
+            break
+        try:
+            image, caption, _ = pool.get(j)
+        except BadSample as e:
+            bad.append(str(e))
+            continue
+        images.append(image)
+        captions.append(caption)
+    if bad:
+        log.warning("shards: held-out split skipped %d bad sample(s), first: %s", len(bad), "; ".join(bad[:5]))
+    if not images:
+        raise DatasetError(f"data.path: no held-out sample of '{cfg.path}' decodes ({len(bad)} bad)")
+    log.info("shards: %d train samples in %d shard(s), %d held-out kept in memory", len(train),
+             len(index.shards), len(images))
+    return train, EncodedSet(torch.stack(images), captions, LazyEmbeds(encoder, captions))

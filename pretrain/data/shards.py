@@ -1,0 +1,325 @@
+"""Sharded image-caption sets read lazily: WebDataset tar shards and parquet files.
+
+A **tar shard** follows the WebDataset convention (what ``webdataset.ShardWriter``, img2dataset and
+LAION write): members ``<key>.<ext>`` grouped into one sample per key, an image under ``jpg``, ``jpeg``,
+``png`` or ``webp`` and a caption under ``txt`` or ``caption`` (UTF-8) or ``json`` (its ``"caption"``).
+A **parquet shard** has one row per sample: an image column (bytes, or a ``{"bytes": ...}`` struct as
+Hugging Face ``datasets`` writes its ``Image`` feature), a caption column and optionally a key column.
+
+The set is read by random access through an **index** (per shard: the keys, and per key the byte range of
+each tar member or the parquet row group and row), built once by reading tar headers and image headers
+(never decoding pixels) and cached under the data cache folder, keyed by the shards' paths, sizes and
+modification times. Random access is what lets the sample order be a function of (seed, epoch) and
+the index alone (:mod:`pretrain.data.stream`), so every world size reads the same global stream and
+each rank reads only its own samples. ``webdataset`` 1.x reads tar shards as streams split by
+(rank, worker), which ties the order to the world size; it writes the shards here
+(:func:`write_tar_shards`).
+
+Hostile input never stops a run and is never replaced silently: a truncated tar keeps the samples whose
+bytes are all there (the shard is named, with how many it kept, at indexing); a sample with no image, an
+undecodable image, an image whose header claims more than ``max_pixels`` pixels, or a missing or empty
+caption is skipped when read, and :class:`BadSample` names the shard, key and reason for the caller to
+count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.data.folder import DatasetError
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+CAPTION_EXTS = ("txt", "caption", "json")
+INDEX_VERSION = 1
+HEADER_BYTES = 1 << 16  # bytes of an image read to learn its size at indexing
+
+
+class BadSample(Exception):
+    """A sample that cannot be used: ``shard`` (file name), ``key`` and ``reason`` ("no image",
+    "corrupt image", "image too large", "missing caption", "unreadable bytes")."""
+
+    def __init__(self, shard: str, key: str, reason: str):
+        super().__init__(f"{shard}:{key}: {reason}")
+        self.shard, self.key, self.reason = shard, key, reason
+
+
+@dataclass
+class ShardIndex:
+    """The index of a shard set. ``shards``: file paths; per sample (in shard order, then file order):
+    ``shard`` (index into ``shards``), ``key``, ``where`` (tar: ``{ext: [offset, size]}``; parquet:
+    ``[row_group, row]``) and ``size`` (image ``[width, height]`` from its header, ``[0, 0]`` when the
+    header is unreadable). ``truncated``: per shard that ends early (a cut tar, an unreadable parquet
+    footer), the samples kept from it (those whose bytes are all there)."""
+
+    shards: list[str]
+    shard: list[int] = field(default_factory=list)
+    key: list[str] = field(default_factory=list)
+    where: list = field(default_factory=list)
+    size: list[list[int]] = field(default_factory=list)
+    truncated: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def counts(self) -> list[int]:
+        """Samples per shard, in shard order."""
+        return np.bincount(np.asarray(self.shard, dtype=np.int64), minlength=len(self.shards)).tolist()
+
+
+def list_shards(path: str | Path) -> list[Path]:
+    """The ``.tar`` and ``.parquet`` files of the folder ``path`` (sorted by name), or ``path`` itself
+    when it is one such file. ``DatasetError`` naming ``data.path`` when there is none or formats mix."""
+    p = Path(path)
+    files = sorted(f for f in p.iterdir() if f.suffix in (".tar", ".parquet")) if p.is_dir() else [p]
+    if not files or not all(f.is_file() and f.suffix in (".tar", ".parquet") for f in files):
+        raise DatasetError(f"data.path: '{path}' holds no .tar or .parquet shard")
+    if len({f.suffix for f in files}) > 1:
+        raise DatasetError(f"data.path: '{path}' mixes .tar and .parquet shards; keep one format per folder")
+    return files
+
+
+def _image_size(head: bytes) -> list[int]:
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(head)) as im:
+            return list(im.size)
+    except Exception:  # a truncated or unknown header: the read decides
+        return [0, 0]
+
+
+def _index_tar(path: Path, shard: int, out: ShardIndex) -> None:
+    """Append the samples of the tar ``path`` to ``out``. A tar that ends early (a header cut, or a
+    member whose bytes run past the file's end) keeps the samples read whole before, recorded in
+    ``out.truncated``."""
+    total = path.stat().st_size
+    members: dict[str, dict[str, list[int]]] = {}
+    cut = False
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                name = info.name.rsplit("/", 1)
+                stem, _, ext = name[-1].partition(".")
+                key = (name[0] + "/" + stem) if len(name) == 2 else stem
+                members.setdefault(key, {})[ext.lower()] = [info.offset_data, info.size]
+    except (tarfile.TarError, OSError, EOFError) as e:
+        log.warning("%s: tar ends early (%s); keeping the samples read whole before", path, e)
+        cut = True
+        if members:
+            members.popitem()  # the last sample read may have lost members
+    kept = 0
+    with open(path, "rb") as f:
+        for key, exts in members.items():
+            if any(off + size > total for off, size in exts.values()):
+                cut = True
+                continue
+            kept += 1
+            image = next((e for e in IMAGE_EXTS if e in exts), None)
+            head = b""
+            if image:
+                f.seek(exts[image][0])
+                head = f.read(min(exts[image][1], HEADER_BYTES))
+            out.shard.append(shard)
+            out.key.append(key)
+            out.where.append(exts)
+            out.size.append(_image_size(head) if head else [0, 0])
+    if cut:
+        out.truncated[path.name] = kept
+
+
+def _index_parquet(path: Path, shard: int, out: ShardIndex, columns: "ParquetColumns") -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own error types for a corrupt footer
+        log.warning("%s: unreadable parquet (%s); skipping the shard", path, e)
+        out.truncated[path.name] = 0
+        return
+    names = set(pf.schema_arrow.names)
+    for col in (columns.image, columns.caption):
+        if col not in names:
+            raise DatasetError(f"{path}: no column '{col}' (columns: {sorted(names)}; set data.image_column / "
+                               f"data.caption_column)")
+    for g in range(pf.num_row_groups):
+        want = [columns.image] + ([columns.key] if columns.key in names else [])
+        table = pf.read_row_group(g, columns=want)
+        images = table.column(columns.image).to_pylist()
+        keys = table.column(columns.key).to_pylist() if columns.key in names else None
+        for row, value in enumerate(images):
+            raw = value.get("bytes") if isinstance(value, dict) else value
+            out.shard.append(shard)
+            out.key.append(str(keys[row]) if keys else f"{path.stem}/{g}/{row}")
+            out.where.append([g, row])
+            out.size.append(_image_size(raw[:HEADER_BYTES]) if isinstance(raw, bytes) else [0, 0])
+
+
+@dataclass(frozen=True)
+class ParquetColumns:
+    """Column names of a parquet shard set: ``image`` (bytes or ``{"bytes": ...}``), ``caption``,
+    ``key`` (optional; ``<file stem>/<row group>/<row>`` when absent)."""
+
+    image: str = "image"
+    caption: str = "caption"
+    key: str = "key"
+
+
+def build_index(files: list[Path], cache: Path, columns: ParquetColumns = ParquetColumns()) -> ShardIndex:
+    """The :class:`ShardIndex` of ``files``, read from ``cache`` (a folder) when a file there matches their
+    paths, sizes, modification times and the parquet columns, else built (tar headers and image headers
+    only) and written there atomically."""
+    stamp = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    digest = hashlib.sha256(json.dumps([INDEX_VERSION, stamp, list(vars(columns).values())]).encode()
+                            ).hexdigest()[:16]
+    path = cache / f"shard-index-{digest}.json"
+    if path.is_file():
+        try:
+            return ShardIndex(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            log.warning("%s: unreadable shard index (%s); rebuilding it", path, e)
+    out = ShardIndex(shards=[str(f) for f in files])
+    from tqdm.auto import tqdm
+
+    for i, f in enumerate(tqdm(files, desc="indexing shards", leave=False, disable=len(files) < 8)):
+        if f.suffix == ".tar":
+            _index_tar(f, i, out)
+        else:
+            _index_parquet(f, i, out, columns)
+    if out.truncated:
+        log.warning("shards: %d shard(s) end early, their whole samples kept: %s", len(out.truncated),
+                    ", ".join(f"{k}: {v} kept" for k, v in out.truncated.items()))
+    if not len(out):
+        raise DatasetError(f"data.path: no sample in {len(files)} shard(s) (first: {files[0]})")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(vars(out)))
+    os.replace(tmp, path)
+    return out
+
+
+class ShardReader:
+    """Reads one sample's raw fields by index position: ``read(i) -> (image bytes, caption)``; raises
+    :class:`BadSample`. Keeps one open file per tar shard and the last parquet row group read, per
+    process (opened lazily, so a DataLoader worker opens its own after the fork)."""
+
+    def __init__(self, index: ShardIndex, columns: ParquetColumns = ParquetColumns()):
+        self.index, self.columns = index, columns
+        self._files: dict[int, object] = {}
+        self._group: tuple[int, int, object] | None = None
+        self._pid = os.getpid()
+
+    def __getstate__(self):
+        return {"index": self.index, "columns": self.columns}
+
+    def __setstate__(self, state):
+        self.__init__(state["index"], state["columns"])
+
+    def where(self, i: int) -> tuple[str, str]:
+        """(shard file name, key) of sample ``i``."""
+        return Path(self.index.shards[self.index.shard[i]]).name, self.index.key[i]
+
+    def read(self, i: int) -> tuple[bytes, str]:
+        if os.getpid() != self._pid:  # forked: never share a file offset with the parent
+            self.__init__(self.index, self.columns)
+        shard = self.index.shard[i]
+        path = self.index.shards[shard]
+        name, key = self.where(i)
+        try:
+            if path.endswith(".tar"):
+                image, caption = self._read_tar(shard, path, self.index.where[i])
+            else:
+                image, caption = self._read_parquet(shard, path, *self.index.where[i])
+        except (OSError, ValueError) as e:
+            raise BadSample(name, key, f"unreadable bytes ({e})") from e
+        if image is None:
+            raise BadSample(name, key, "no image")
+        if not caption:
+            raise BadSample(name, key, "missing caption")
+        return image, caption
+
+    def _read_tar(self, shard: int, path: str, exts: dict) -> tuple[bytes | None, str]:
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = open(path, "rb")
+
+        def member(ext: str) -> bytes:
+            off, size = exts[ext]
+            f.seek(off)
+            data = f.read(size)
+            if len(data) != size:
+                raise OSError(f"{ext} member cut short")
+            return data
+
+        image = next((member(e) for e in IMAGE_EXTS if e in exts), None)
+        caption = ""
+        for ext in CAPTION_EXTS:
+            if ext in exts:
+                text = member(ext).decode("utf-8", errors="replace")
+                caption = str(json.loads(text).get("caption") or "") if ext == "json" else text
+                break
+        return image, caption.strip()
+
+    def _read_parquet(self, shard: int, path: str, group: int, row: int) -> tuple[bytes | None, str]:
+        import pyarrow.parquet as pq
+
+        if self._group is None or self._group[:2] != (shard, group):
+            table = pq.ParquetFile(path).read_row_group(group, columns=[self.columns.image, self.columns.caption])
+            self._group = (shard, group, table)
+        table = self._group[2]
+        value = table.column(self.columns.image)[row].as_py()
+        image = value.get("bytes") if isinstance(value, dict) else value
+        caption = table.column(self.columns.caption)[row].as_py()
+        return image, str(caption or "").strip()
+
+
+def decode_image(data: bytes, height: int, width: int, max_pixels: int, where: tuple[str, str]) -> np.ndarray:
+    """uint8 ``[height, width, 3]``: the image composited on white, scaled so that it covers
+    ``height`` x ``width`` and centre-cropped. :class:`BadSample` ("corrupt image", or "image too large"
+    when the header claims more than ``max_pixels`` pixels, checked before any pixel is decoded)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.size[0] * im.size[1] > max_pixels:
+                raise BadSample(*where, f"image too large ({im.size[0]}x{im.size[1]} > {max_pixels} pixels)")
+            im.load()
+            rgba = im.convert("RGBA")
+    except BadSample:
+        raise
+    except Image.DecompressionBombError as e:  # Pillow's own limit, met before ours at twice its default
+        raise BadSample(*where, f"image too large ({e})") from e
+    except Exception as e:  # Pillow raises many types for corrupt data
+        raise BadSample(*where, f"corrupt image ({type(e).__name__})") from e
+    rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    scale = max(width / rgb.width, height / rgb.height)
+    w, h = max(width, round(rgb.width * scale)), max(height, round(rgb.height * scale))
+    rgb = rgb.resize((w, h), Image.BICUBIC)
+    left, top = (w - width) // 2, (h - height) // 2
+    return np.asarray(rgb.crop((left, top, left + width, top + height)))
+
+
+def write_tar_shards(samples, folder: str | Path, per_shard: int, prefix: str = "shard") -> list[Path]:
+    """Write ``samples`` (an iterable of ``(key, png bytes, caption)``) as WebDataset tar shards of
+    ``per_shard`` samples each (``webdataset.ShardWriter``): ``<folder>/<prefix>-000000.tar``, ...;
+    returns their paths."""
+    import webdataset as wds
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pattern = str(folder / f"{prefix}-%06d.tar")
+    with wds.ShardWriter(pattern, maxcount=per_shard, verbose=0) as sink:
+        for key, png, caption in samples:
+            sink.write({"__key__": key, "png": png, "txt": caption})
+    return sorted(folder.glob(f"{prefix}-*.tar"))

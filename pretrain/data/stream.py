@@ -1,0 +1,58 @@
+"""The global sample order of a sharded set: shard order, then a bounded shuffle buffer, keyed by
+(seed, epoch) and computed from the shard index alone, so it is the same for every world size and
+every number of loader workers, and a resumed run recomputes it from (epoch, offset).
+
+This is the order WebDataset's ``shuffle(buffer)`` after a shard shuffle produces, made deterministic:
+reads stay local to about ``buffer`` samples of a few consecutive shards, while the order a step sees
+is not the file order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pretrain.data.dataset import EpochSampler
+from pretrain.seeding import seed_for
+
+
+def stream_order(counts: list[int], seed: int, epoch: int, buffer: int) -> np.ndarray:
+    """Sample positions (int64 ``[sum(counts)]``, a permutation) for ``epoch``: the shards (sample
+    counts ``counts``, positions laid out shard after shard) in an order drawn from (seed, "shuffle",
+    epoch), their samples passed through a shuffle buffer of ``buffer`` slots (each incoming sample
+    replaces a uniformly drawn slot, whose sample is emitted; the last ``buffer`` drain in a random
+    order). ``buffer`` <= 1 keeps the file order within shards."""
+    rng = np.random.default_rng(seed_for(seed, "shuffle", epoch))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    ids = np.concatenate([np.arange(starts[s], starts[s] + counts[s]) for s in rng.permutation(len(counts))]
+                         or [np.zeros(0, np.int64)])
+    if buffer <= 1 or len(ids) <= 1:
+        return ids
+    out = np.empty_like(ids)
+    slots = ids[:buffer].copy()
+    draws = rng.integers(0, len(slots), size=max(0, len(ids) - len(slots)))
+    for n, incoming in enumerate(ids[len(slots):]):
+        j = draws[n]
+        out[n] = slots[j]
+        slots[j] = incoming
+    out[len(ids) - len(slots):] = rng.permutation(slots)
+    return out
+
+
+class StreamSampler(EpochSampler):
+    """:class:`pretrain.data.dataset.EpochSampler` whose epoch order is :func:`stream_order` over shards
+    of ``counts`` samples: same state (epoch, offset), same cross-epoch batches."""
+
+    def __init__(self, counts: list[int], seed: int, buffer: int):
+        self.counts, self.buffer = list(counts), buffer
+        super().__init__(int(sum(counts)), seed)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        return stream_order(self.counts, self.seed, epoch, self.buffer).tolist()
+
+
+def sampler_for(data, seed: int, buffer: int) -> EpochSampler:
+    """The run's sampler over ``data``: a :class:`StreamSampler` for a sharded set (it has
+    ``counts()``), else an :class:`pretrain.data.dataset.EpochSampler` (a permutation per epoch)."""
+    if hasattr(data, "counts"):
+        return StreamSampler(data.counts(), seed, buffer)
+    return EpochSampler(len(data), seed)
