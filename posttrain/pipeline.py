@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.eval.evaluate import EvalConfig, evaluate
+from pretrain.data.dataset import source_of_folder
 from posttrain.stages import data_stages, get_stage, has_checkpoints
 from pretrain.config import ConfigError, load_config, save_config
 
@@ -55,7 +56,11 @@ class PlannedStage:
 
     def load(self):
         """The config the stage runs with (read when it starts, so a ``data_from`` folder exists)."""
-        return load_config(self.schema, self.stage.config, self.overrides) if self.stage.data_from else self.config
+        if not self.stage.data_from:
+            return self.config
+        folder = self.overrides[-1].partition("=")[2]  # data.path=..., the last override
+        return load_config(self.schema, self.stage.config, [*self.overrides[:-1], f"data.source={source_of_folder(folder)}",
+                                                            self.overrides[-1]])
 
 
 def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
@@ -85,7 +90,7 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
             if stage.data_from not in earlier or stage.data_from not in data_stages():
                 raise ConfigError(f"pipeline: stages.{i}.data_from: '{stage.data_from}' is not an earlier data stage "
                                   f"(earlier: {earlier}; data stages: {data_stages()})")
-            data = ["data.source=folder", f"data.path={run / stage.data_from / 'data'}"]
+            data = [f"data.path={run / stage.data_from / 'data'}"]  # the source is read from the folder at start
         try:
             loaded = load_config(schema, stage.config, overrides)
         except ConfigError as e:

@@ -57,6 +57,8 @@ STAGES = Registry("stage", {
                       "posttrain.midtrain.stage:MidtrainRun", sweep=True, help="supervised flow-matching fine-tuning of an export"),
     "curate": Stage("posttrain.curate.stage:CurateConfig", "posttrain.curate.stage:curate", data=True,
                     help="score a dataset with rewards, filter, drop near-duplicates (a folder dataset and a report)"),
+    "cache": Stage("pretrain.data.cache_stage:CacheConfig", "pretrain.data.cache_stage:cache", data=True,
+                   help="encode a dataset once into latent + text-embedding shards (data.source: latent_cache)"),
 }, key="command")
 
 

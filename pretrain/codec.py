@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Protocol
 
 import torch
@@ -42,6 +44,11 @@ class PatchifyCodec:
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.channels, height // self.downsample, width // self.downsample)
 
+    @property
+    def identity(self) -> str:
+        """What a latent cache records to refuse latents of another codec."""
+        return f"patchify-f{self.factor}"
+
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         x = images * 2 - 1
         return F.pixel_unshuffle(x, self.factor) if self.factor > 1 else x
@@ -74,6 +81,10 @@ class VideoPatchifyCodec:
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.channels, self.frames, height // self.downsample, width // self.downsample)
+
+    @property
+    def identity(self) -> str:
+        return f"video_patchify-f{self.image.factor}-F{self.frames}" + ("-code" if self.frame_code else "")
 
     def encode(self, videos: torch.Tensor) -> torch.Tensor:
         b, f = videos.shape[:2]
@@ -113,6 +124,16 @@ class VAECodec:
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.channels, height // self.downsample, width // self.downsample)
+
+    @property
+    def identity(self) -> str:
+        """``vae-<digest>`` of the VAE's config and weights (SHA-256 of every parameter's bytes): what a
+        latent cache records to refuse latents of another VAE."""
+        h = hashlib.sha256(json.dumps(dict(self.vae.config), sort_keys=True, default=str).encode())
+        for name, t in sorted(self.vae.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        return f"vae-{h.hexdigest()[:16]}"
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:

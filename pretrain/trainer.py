@@ -14,6 +14,7 @@ from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import ConfigError
 from pretrain.data.dataset import build_datasets
 from pretrain.data.feed import BatchFeed
+from pretrain.data.latent_cache import require_codec
 from pretrain.data.stream import sampler_for
 from pretrain.export import ExportMeta, export_model
 from pretrain.models import arch_of, build_backbone, count_parameters
@@ -122,7 +123,7 @@ def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: Pretrai
     for micro in range(accum):
         fed = feed.next()
         wait, skipped = wait + fed.wait_s, skipped + fed.skipped
-        x0, embeds, weight = _inputs(fed, codec, null, device, feed.data.size)
+        x0, embeds, weight = _inputs(fed, codec, null, device, feed)
         noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, [micro * b + p for p in fed.positions]
                                                  or [micro * b], cfg.flow, train_sigmas=train_sigmas)
         with rt.autocast():
@@ -145,7 +146,7 @@ def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: Pretrai
     return metrics
 
 
-def _inputs(fed, codec, null, device, size: tuple[int, int]) -> tuple[torch.Tensor, object, float]:
+def _inputs(fed, codec, null, device, feed: BatchFeed) -> tuple[torch.Tensor, object, float]:
     """(x0, embeds, loss weight) of a fed micro-batch share: latents from a cache, else the codec's
     encoding of the images; a share whose every sample was skipped trains one zero sample with the null
     prompt at weight 0 (the ranks' collectives still run)."""
@@ -153,7 +154,7 @@ def _inputs(fed, codec, null, device, size: tuple[int, int]) -> tuple[torch.Tens
         return fed.latents.to(device), fed.embeds.to(device), 1.0
     if fed.images is not None:
         return codec.encode(fed.images.to(device)), fed.embeds.to(device), 1.0
-    return torch.zeros(1, *codec.latent_shape(*size), device=device), null, 0.0
+    return torch.zeros(1, *codec.latent_shape(*feed.data.size), device=device), null, 0.0
 
 
 class PretrainRun:
@@ -175,6 +176,7 @@ class PretrainRun:
         self.train_set, self.held = build_datasets(cfg.data, encoder)
         self.null = encoder.encode([""]).to(device)
         self.codec = build_codec(cfg.codec, device=str(device))
+        require_codec(self.train_set, self.codec)
         size = cfg.data.size // self.codec.downsample
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed_for(cfg.train.seed, "init"))  # weights depend on the seed only

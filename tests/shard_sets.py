@@ -100,3 +100,17 @@ def hostile_set(folder: Path, n: int = 400, per_shard: int = 50) -> dict[str, st
     raw = last.read_bytes()
     last.write_bytes(raw[: len(raw) // 2 + 100])  # cut inside a member
     return bad
+
+
+def record_keys(run) -> list[list[str]]:
+    """Wrap ``run.feed.next`` (a pretraining or midtraining run) to record each micro-batch share's sample
+    keys; returns the list it appends to."""
+    keys, feed_next = [], run.feed.next
+
+    def record():
+        fed = feed_next()
+        keys.append(fed.keys)
+        return fed
+
+    run.feed.next = record
+    return keys

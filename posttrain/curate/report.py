@@ -108,8 +108,10 @@ def write_report(root: Path, cfg: CurateConfig, result: Curation, data: Path) ->
              f" at {cfg.data.size} px; its train split ({n} samples) was scored, filtered and deduplicated. "
              f"The held-out split ({result.heldout} samples) was left out: it is not in the output and stays "
              "the evaluation set.", "",
-             f"Output: `{data}`: **{n_kept}** samples (`captions.jsonl` + `images/`; read it with "
-             f"`data.source: folder`, `data.path: {data}`).", "",
+             f"Output: `{data}`: **{n_kept}** samples ("
+             + (f"WebDataset tar shards of {cfg.shard_size}; read them with `data.source: shards`"
+                if cfg.shard_size else "`captions.jsonl` + `images/`; read it with `data.source: folder`")
+             + f", `data.path: {data}`).", "",
              "## Counts", "",
              "| step | rule | reached | kept | dropped | not applicable |", "|---|---|---:|---:|---:|---:|"]
     for k, r in enumerate(result.rules, 1):

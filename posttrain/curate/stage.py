@@ -7,7 +7,8 @@ reward), apply ``filters`` in order (each rule sees only the samples the earlier
 deduplicate the survivors. The held-out split of ``data`` is never curated nor written: it stays the
 evaluation set of the source.
 
-Outputs under ``<run_dir>/curate/``: ``data/`` (``captions.jsonl`` + ``images/NNNNNN.png``, plus
+Outputs under ``<run_dir>/curate/``: ``data/`` (``captions.jsonl`` + ``images/NNNNNN.png``, or tar shards
+with ``shard_size``, plus
 ``curate.json``: the config it was made with, a hash of the source, counts and timings), ``report.md``,
 ``hist_<reward>.png`` (and ``hist_total.png``), ``grid_kept.png``, ``grid_dropped.png``,
 ``grid_duplicates.png`` (:mod:`posttrain.curate.report`), ``config.yaml`` (resolved).
@@ -111,7 +112,9 @@ class CurateConfig:
     file's: switch one off with weight 0); ``batch_size``: images per reward call; ``filters``: the
     rules (:class:`FilterRule`) in order; ``dedup`` (:class:`DedupConfig`); ``grid_samples``: cells per
     report grid; ``overwrite``: replace an existing ``data/`` made with another config or source
-    (without it, the same config and source reuse the folder and anything else is refused)."""
+    (without it, the same config and source reuse the folder and anything else is refused);
+    ``shard_size``: 0 writes the folder layout, N > 0 WebDataset tar shards of N samples (png, txt and a
+    json member with the source index and scores), read by ``data.source: shards``."""
 
     run_dir: str = "runs/curate"
     model: CurateModel = field(default_factory=CurateModel)
@@ -122,12 +125,15 @@ class CurateConfig:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     grid_samples: int = 32
     overwrite: bool = False
+    shard_size: int = 0
 
     def validate(self, prefix: str = "") -> None:
         if self.data.source not in IMAGE_SOURCES:
             raise ValueError(f"{prefix}data.source: curate scores images; '{self.data.source}' has none "
                              f"(use one of {', '.join(IMAGE_SOURCES)})")
         require_positive(self, prefix, "batch_size", "grid_samples")
+        if self.shard_size < 0:
+            raise ValueError(f"{prefix}shard_size: must be >= 0 (0 writes a folder), got {self.shard_size}")
         check_reward_weights(self.rewards, f"{prefix}rewards")
         names = [n for n, s in parse_reward_specs(self.rewards, f"{prefix}rewards").items() if s.weight != 0]
         if TOTAL in names:
@@ -295,6 +301,27 @@ def write_folder(out: Path, images: torch.Tensor, captions: list[str], scores: d
     (out / "captions.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
+def write_shards(out: Path, images: torch.Tensor, captions: list[str], scores: dict[str, np.ndarray],
+                 keep: np.ndarray, per_shard: int) -> None:
+    """Write samples ``keep`` (indices) as WebDataset tar shards of ``per_shard`` samples in ``out``
+    (:func:`pretrain.data.shards.write_tar_shards`): keys ``NNNNNN``, a PNG, the caption, and a json
+    member ``{"caption", "source_index", "scores"}`` (NaN as null)."""
+    import io
+
+    from PIL import Image
+
+    from pretrain.data.shards import write_tar_shards
+
+    def samples():
+        for k, i in enumerate(keep.tolist()):
+            buf = io.BytesIO()
+            Image.fromarray(images[i].permute(1, 2, 0).numpy()).save(buf, "PNG")
+            s = {n: (float(v[i]) if math.isfinite(v[i]) else None) for n, v in scores.items()}
+            yield f"{k:06d}", buf.getvalue(), captions[i], {"caption": captions[i], "source_index": i, "scores": s}
+
+    write_tar_shards(samples(), out, per_shard)
+
+
 def _identity(cfg: CurateConfig, images: torch.Tensor, captions: list[str]) -> dict:
     """What makes the output: the config without the keys of ``NOT_MATCHED``, and a hash of the source's
     train images and captions."""
@@ -373,7 +400,8 @@ def curate(cfg: CurateConfig) -> Path:
 
     t = time.perf_counter()
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
-    write_folder(tmp, train.images, train.captions, scores, np.flatnonzero(kept))
+    (write_shards if cfg.shard_size else write_folder)(tmp, train.images, train.captions, scores, np.flatnonzero(kept),
+                                                       *([cfg.shard_size] if cfg.shard_size else []))
     result = Curation(train.images, train.captions, scores, kept, reasons, rules, duplicates, len(held), seconds)
     seconds["write"] = time.perf_counter() - t
     t = time.perf_counter()

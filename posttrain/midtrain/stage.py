@@ -31,6 +31,7 @@ from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig, StageEvalConfig
 from pretrain.config import ConfigError, require_positive
 from pretrain.data.feed import BatchFeed
+from pretrain.data.latent_cache import require_codec
 from pretrain.data.stream import sampler_for
 from pretrain.evaluation import heldout_loss
 from pretrain.models import count_parameters
@@ -124,6 +125,7 @@ class MidtrainRun(PolicyRun):
         ranks.shard(st.model, None, cfg.parallel, bool(cfg.perf.compile), cfg.train.low_precision)
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             compile_blocks(st.model)
+        require_codec(st.train_set, st.codec)
         self.sampler = sampler_for(st.train_set, cfg.train.seed, cfg.data.shuffle_buffer)
         self.feed = BatchFeed(st.train_set, self.sampler, cfg.train.batch_size, ranks.share(cfg.train.batch_size),
                               workers=cfg.data.workers, prefetch=cfg.data.prefetch, pin=st.device.type == "cuda")

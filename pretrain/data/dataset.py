@@ -29,7 +29,7 @@ from pretrain.text_encoder import PromptEmbeds
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shards")
+SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shards", "latent_cache")
 CACHE_FORMAT = "v2"  # in every cache file's name: v1 files were pickles (torch.save) and are never read
 
 
@@ -81,8 +81,9 @@ class DataConfig:
         train.txt) or ``<prefix>train_half``."""
         if self.source not in SOURCES:
             raise ValueError(f"{prefix}source: unknown source '{self.source}' (known: {', '.join(SOURCES)})")
-        if self.source in ("folder", "prompts", "shards") and not self.path:
+        if self.source in ("folder", "prompts", "shards", "latent_cache") and not self.path:
             what = {"folder": "a folder with captions.jsonl", "shards": "a folder of .tar or .parquet shards",
+                    "latent_cache": "a folder written by `posttrain cache`",
                     "prompts": "a .txt file or a folder with train.txt / test.txt"}[self.source]
             raise ValueError(f"{prefix}path: required when {prefix}source is '{self.source}' ({what})")
         path = Path(self.path) if self.path else None
@@ -101,6 +102,8 @@ class DataConfig:
             raise ValueError(f"{prefix}layout: unknown '{self.layout}' (known: {', '.join(shapes.LAYOUTS)})")
         if self.source == "shards" and not path.exists():
             raise ValueError(f"{prefix}path: '{self.path}' does not exist (a folder of .tar or .parquet shards)")
+        if self.source == "latent_cache" and not (path / "cache.json").is_file():
+            raise ValueError(f"{prefix}path: '{self.path}' has no cache.json (write a cache with `posttrain cache`)")
         if self.workers < 0 or self.prefetch < 1 or self.heldout_max < 1 or self.max_pixels < 1:
             raise ValueError(f"{prefix}workers, {prefix}prefetch, {prefix}heldout_max, {prefix}max_pixels: must be "
                              f">= 0, >= 1, >= 1, >= 1, got {self.workers}, {self.prefetch}, {self.heldout_max}, "
@@ -126,6 +129,17 @@ class EncodedSet:
         indices ``idx``."""
         t = torch.as_tensor(idx, dtype=torch.long)
         return self.images[t].float() / 255.0, self.embeds[t], [self.captions[i] for i in idx]
+
+
+def source_of_folder(path: str | Path) -> str:
+    """The ``data.source`` that reads a data stage's output folder: "latent_cache" (a cache.json),
+    "shards" (.tar or .parquet files) or "folder" (captions.jsonl and images)."""
+    p = Path(path)
+    if (p / "cache.json").is_file():
+        return "latent_cache"
+    if p.is_dir() and any(f.suffix in (".tar", ".parquet") for f in p.iterdir()):
+        return "shards"
+    return "folder"
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -277,7 +291,13 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     if cfg.source == "shards":
         from pretrain.data.sharded_set import shard_sets
 
-        return shard_sets(cfg, encoder)
+        train, images, caps = shard_sets(cfg, encoder, cache_dir(cfg))
+        return train, EncodedSet(images, caps, LazyEmbeds(encoder, caps))
+    if cfg.source == "latent_cache":
+        from pretrain.data.latent_cache import cache_sets
+
+        train, images, caps, embeds = cache_sets(cfg, encoder)
+        return train, EncodedSet(images, caps, embeds)
     if cfg.source == "openmoji":
         raw = load_openmoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]

@@ -4,20 +4,19 @@
 The split is by a hash of each sample's key (``data.heldout_fraction``), so it does not move when shards
 are added or reordered. The train split is a :class:`ShardSet`: samples are decoded when a batch asks
 for them (in DataLoader workers, :mod:`pretrain.data.feed`), captions encoded per batch. The held-out split
-keeps its first ``data.heldout_max`` usable samples in memory (an :class:`pretrain.data.dataset.EncodedSet`)
-for the held-out loss and the grids.
+keeps its first ``data.heldout_max`` usable samples in memory for the held-out loss and the grids.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from pretrain.data.emoji import is_heldout
 from pretrain.data.folder import DatasetError
-from pretrain.data.prompts import LazyEmbeds
 from pretrain.data.shards import BadSample, ParquetColumns, ShardIndex, ShardReader, build_index, decode_image, \
     list_shards
 
@@ -28,7 +27,7 @@ class ShardSet:
     """The samples ``ids`` (positions in ``index``) of a shard set at ``height`` x ``width``.
 
     ``get(j)`` -> (uint8 ``[3, H, W]`` tensor, caption, (shard, key)) of the j-th sample, or raises
-    :class:`pretrain.data.shards.BadSample`; ``counts()``: samples per shard (the stream order's input);
+    :class:`pretrain.data.shards.BadSample`; ``stream_counts()``: samples per shard (the stream order's input);
     ``encode(captions)``: their embeddings (the run's text encoder). ``lazy = True`` marks a set the
     feed reads through DataLoader workers."""
 
@@ -45,7 +44,7 @@ class ShardSet:
     def __getstate__(self):  # DataLoader workers need no text encoder
         return {**self.__dict__, "encoder": None}
 
-    def counts(self) -> list[int]:
+    def stream_counts(self) -> list[int]:
         shard = np.asarray(self.index.shard, dtype=np.int64)[self.ids]
         return np.bincount(shard, minlength=len(self.index.shards)).tolist()
 
@@ -63,14 +62,12 @@ class ShardSet:
         return self.encoder.encode(captions)
 
 
-def shard_sets(cfg, encoder):
-    """(train :class:`ShardSet`, held-out ``EncodedSet``) for ``data.source: shards`` (``cfg``: the
-    ``DataConfig``). ``DatasetError`` naming ``data.path`` when a split is empty or no held-out sample
-    decodes."""
-    from pretrain.data.dataset import EncodedSet, cache_dir
-
+def shard_sets(cfg, encoder, cache: Path) -> tuple[ShardSet, torch.Tensor, list[str]]:
+    """(train :class:`ShardSet`, held-out uint8 images ``[m, 3, H, W]``, their captions) for
+    ``data.source: shards`` (``cfg``: the ``DataConfig``; ``cache``: the folder of the shard index).
+    ``DatasetError`` naming ``data.path`` when a split is empty or no held-out sample decodes."""
     columns = ParquetColumns(cfg.image_column, cfg.caption_column, cfg.key_column)
-    index = build_index(list_shards(cfg.path), cache_dir(cfg), columns)
+    index = build_index(list_shards(cfg.path), cache, columns)
     held = np.array([is_heldout(k, cfg.heldout_fraction) for k in index.key], dtype=bool)
     train_ids, held_ids = np.flatnonzero(~held), np.flatnonzero(held)
     if cfg.limit:
@@ -98,4 +95,4 @@ def shard_sets(cfg, encoder):
         raise DatasetError(f"data.path: no held-out sample of '{cfg.path}' decodes ({len(bad)} bad)")
     log.info("shards: %d train samples in %d shard(s), %d held-out kept in memory", len(train),
              len(index.shards), len(images))
-    return train, EncodedSet(torch.stack(images), captions, LazyEmbeds(encoder, captions))
+    return train, torch.stack(images), captions

@@ -51,8 +51,8 @@ class StreamSampler(EpochSampler):
 
 
 def sampler_for(data, seed: int, buffer: int) -> EpochSampler:
-    """The run's sampler over ``data``: a :class:`StreamSampler` for a sharded set (it has
-    ``counts()``), else an :class:`pretrain.data.dataset.EpochSampler` (a permutation per epoch)."""
-    if hasattr(data, "counts"):
-        return StreamSampler(data.counts(), seed, buffer)
-    return EpochSampler(len(data), seed)
+    """The run's sampler over ``data``: a :class:`StreamSampler` for a set laid out in shards
+    (``data.stream_counts()`` gives its samples per shard), else an
+    :class:`pretrain.data.dataset.EpochSampler` (a permutation per epoch)."""
+    counts = data.stream_counts() if hasattr(data, "stream_counts") else None
+    return EpochSampler(len(data), seed) if counts is None else StreamSampler(counts, seed, buffer)

@@ -8,7 +8,7 @@ import pytest
 
 from pretrain.parallel.launch import run_ranks
 from tests.conftest import tiny_config
-from tests.shard_sets import tar_set
+from tests.shard_sets import record_keys, tar_set
 
 pytestmark = pytest.mark.core
 
@@ -21,14 +21,7 @@ def _pretrain(rank, world, run_dir, folder):
     run = PretrainRun(tiny_config(run_dir, "data.source=shards", f"data.path={folder}", "data.workers=1",
                                   "data.shuffle_buffer=64", "train.steps=3", "train.grad_accum=2", "train.threads=1",
                                   "eval.every=0", "eval.heldout_samples=8", "optim.eps=1e-4"))
-    keys, feed_next = [], run.feed.next
-
-    def record():
-        fed = feed_next()
-        keys.append(fed.keys)
-        return fed
-
-    run.feed.next = record
+    keys = record_keys(run)
     run_stage(run)
     losses = [r["loss"] for r in read_metrics(run.run / "metrics.jsonl") if "loss" in r] if rank == 0 else []
     return {"keys": keys, "losses": losses}

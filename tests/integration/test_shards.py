@@ -16,7 +16,7 @@ from pretrain.data.stream import StreamSampler, sampler_for, stream_order
 from pretrain.runtime.runtime import Runtime
 from pretrain.text_encoder import NoTextEmbeds
 from tests.conftest import tiny_config
-from tests.shard_sets import hostile_set, parquet_set, tar_set
+from tests.shard_sets import hostile_set, parquet_set, record_keys, tar_set
 
 pytestmark = pytest.mark.core
 
@@ -121,18 +121,10 @@ def _run(run_dir, folder, *extra):
     from pretrain.trainer import PretrainRun
     from pretrain.runtime.loop import run_stage
 
-    keys = []
     run = PretrainRun(tiny_config(run_dir, "data.source=shards", f"data.path={folder}", "data.limit=64",
                                   "data.workers=2", "train.steps=6", "checkpoint.every=3", "eval.every=0",
                                   "eval.heldout_samples=8", *extra))
-    feed_next = run.feed.next
-
-    def record():
-        fed = feed_next()
-        keys.append(fed.keys)
-        return fed
-
-    run.feed.next = record
+    keys = record_keys(run)
     run_stage(run)
     return keys, load_file(str(Path(run_dir) / "pretrain" / "export" / "diffusion_pytorch_model.safetensors"))
 
