@@ -4,7 +4,7 @@ Every rank draws the same global micro-batch indices from the run's sampler (its
 checkpoint's data position) and reads its contiguous share. For a lazy set (sharded data,
 :mod:`pretrain.data.sharded_set`; latent caches, :mod:`pretrain.data.latent_cache`) a
 ``torch.utils.data.DataLoader`` decodes the shares ahead in ``workers`` processes (``prefetch`` batches
-each, pinned memory on CUDA); its batch sampler walks a copy of the sampler, and each batch it returns
+each, pinned memory on CUDA; a CPU text encoder embeds the captions in the workers too); its batch sampler walks a copy of the sampler, and each batch it returns
 is checked against the run's own sampler, which advances only when a batch is consumed, so a
 checkpoint never counts a batch that was read ahead but not trained. In-memory sets are indexed
 directly.
@@ -61,13 +61,22 @@ class _Samples(torch.utils.data.Dataset):
         return len(self.data)
 
 
-def _collate(rows: list) -> dict:
-    good = [r for r in rows if r[0] == "ok"]
-    out = {"positions": [r[1] for r in good], "ids": [r[2] for r in rows], "captions": [r[4] for r in good],
-           "keys": [f"{r[5][0]}:{r[5][1]}" for r in good], "skipped": [r[3] for r in rows if r[0] == "bad"]}
-    out["tensors"] = torch.stack([r[3] for r in good]) if good else None
-    out["extra"] = [r[6] for r in good] if good and len(good[0]) > 6 else None
-    return out
+class _Collate:
+    """Stacks a batch's decoded samples (one tensor per field, so a worker passes a few shared-memory
+    blocks, not one per sample); with ``encode``, embeds the captions in the worker too."""
+
+    def __init__(self, encode=None):
+        self.encode = encode
+
+    def __call__(self, rows: list) -> dict:
+        good = [r for r in rows if r[0] == "ok"]
+        out = {"positions": [r[1] for r in good], "ids": [r[2] for r in rows], "captions": [r[4] for r in good],
+               "keys": [f"{r[5][0]}:{r[5][1]}" for r in good], "skipped": [r[3] for r in rows if r[0] == "bad"]}
+        out["tensors"] = torch.stack([r[3] for r in good]) if good else None
+        out["extra"] = tuple(torch.stack(parts) for parts in zip(*[r[6] for r in good])) \
+            if good and len(good[0]) > 6 else None
+        out["embeds"] = self.encode(out["captions"]) if self.encode and good else None
+        return out
 
 
 class _Ahead:
@@ -97,9 +106,17 @@ class BatchFeed:
     def _iterator(self):
         loader = torch.utils.data.DataLoader(
             _Samples(self.data), batch_sampler=_Ahead(self.sampler, self.batch_size, self.share),
-            collate_fn=_collate, num_workers=self.workers, pin_memory=self.pin,
+            collate_fn=_Collate(self._worker_encoder()), num_workers=self.workers, pin_memory=self.pin,
             prefetch_factor=self.prefetch if self.workers else None, persistent_workers=False)
         return iter(loader)
+
+    def _worker_encoder(self):
+        """The set's caption encoder when workers may run it: with workers, an on-the-fly set (not a
+        cache) and an encoder on the CPU (a CUDA model is not forked)."""
+        if not self.workers or getattr(self.data, "latents", False) or not hasattr(self.data, "encode"):
+            return None
+        encoder = getattr(self.data, "encoder", None)
+        return self.data.encode if str(getattr(encoder, "device", "cpu")) == "cpu" else None
 
     def next(self) -> Fed:
         """The next micro-batch share; advances the sampler by one global micro-batch."""
@@ -129,7 +146,8 @@ class BatchFeed:
         elif cached:
             images, latents, embeds = None, tensors, self.data.embeds(got["extra"])
         else:
-            images, latents, embeds = tensors.float() / 255.0, None, self.data.encode(captions)
+            embeds = got["embeds"] if got["embeds"] is not None else self.data.encode(captions)
+            images, latents = tensors.float() / 255.0, None
         return Fed(images, latents, embeds, captions, got["positions"], got["keys"], got["skipped"])
 
     def close(self) -> None:

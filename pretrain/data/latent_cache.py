@@ -63,7 +63,7 @@ def check_identity(manifest: dict, folder, *, codec: str | None = None, text_enc
 class LatentCacheSet:
     """The train rows of a latent cache, read lazily (``lazy = True``; ``latents = True``: the feed
     gives latents and cached embeddings). ``get(j)`` -> (latents ``[C, h, w]``, caption, (shard, key),
-    (tokens, pooled)); ``stream_counts()``: the source's samples per shard (the stream order); ``embeds(rows)`` stacks the per-row embeddings;
+    (tokens, pooled)); ``stream_counts()``: the source's samples per shard (the stream order); ``embeds((tokens, pooled))``: a batch's stacked embeddings;
     ``size``: the images' (H, W) in pixels."""
 
     lazy = latents = True
@@ -106,8 +106,9 @@ class LatentCacheSet:
         embeds = (f.get_slice("tokens")[row:row + 1][0], f.get_slice("pooled")[row:row + 1][0])
         return latents, self._captions[shard][row], (self.shards[shard].name, self._keys[shard][row]), embeds
 
-    def embeds(self, rows: list) -> PromptEmbeds:
-        return PromptEmbeds(torch.stack([t for t, _ in rows]), torch.stack([p for _, p in rows]))
+    def embeds(self, stacked: tuple[torch.Tensor, torch.Tensor]) -> PromptEmbeds:
+        """PromptEmbeds of a batch's stacked (tokens, pooled)."""
+        return PromptEmbeds(*stacked)
 
 
 def cache_sets(cfg, encoder) -> tuple[LatentCacheSet, torch.Tensor, list[str], PromptEmbeds]:
