@@ -48,7 +48,7 @@ SD35M = {"params": 2.5e9, "tokens": 4096 + 333, "latent_bytes": 16 * 128 * 128 *
 
 
 def loader_rate(data, batch: int, workers: int, batches: int) -> float:
-    feed = BatchFeed(data, sampler_for(data, 0, 1000), batch, (0, batch), workers=workers)
+    feed = BatchFeed(data, sampler_for(data, 0, 1000, batch), batch, (0, batch), workers=workers)
     feed.next()  # start-up (workers, first reads) is not throughput
     t0 = time.perf_counter()
     n = sum(len(feed.next().positions) for _ in range(batches))

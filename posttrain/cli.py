@@ -137,7 +137,8 @@ def _sample(args) -> int:
     steps = args.steps if args.steps is not None else s["num_inference_steps"]
     scale = args.guidance_scale if args.guidance_scale is not None else s["guidance_scale"]
     embeds, null = encoder.encode(args.prompts), encoder.encode([""])
-    noise = initial_noise(len(args.prompts), codec.latent_shape(meta["image_size"], meta["image_size"]), args.seed, device=device)
+    height, width = args.height or meta["image_size"], args.width or meta["image_size"]
+    noise = initial_noise(len(args.prompts), codec.latent_shape(height, width), args.seed, device=device)
     with torch.no_grad():
         latents = sample_latents(model, embeds.to(device), null.to(device), noise, steps, scale, s["shift"])
     out = args.out or Path(args.model).resolve().parent / "samples" / f"sample_seed{args.seed}.png"
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--seed", type=int, default=0)
     smp.add_argument("--steps", type=_positive, default=None)
     smp.add_argument("--guidance-scale", type=float, default=None)
+    smp.add_argument("--height", type=_positive, default=None, help="pixels (default: the export's image size); "
+                     "a model trained with data.buckets samples at each bucket's size")
+    smp.add_argument("--width", type=_positive, default=None, help="pixels (default: the export's image size)")
     smp.add_argument("--device", default="auto")
     smp.add_argument("--out", default=None)
     smp.set_defaults(func=_sample)

@@ -93,6 +93,12 @@ class PretrainConfig(RunConfig):
             patch = (patch[-1] if isinstance(patch, (list, tuple)) else patch) * self.codec.factor
             if self.data.size % patch:
                 raise ValueError(f"data.size: {self.data.size} is not divisible by the patch size {patch}")
+            for h, w in self.data.buckets:  # the model's positions are built for data.size x data.size
+                if h % patch or w % patch or max(h, w) > self.data.size:
+                    raise ValueError(f"data.buckets: [{h}, {w}] must be multiples of the patch size {patch} and "
+                                     f"at most data.size {self.data.size} (the largest side the model is built for)")
+        if self.data.buckets and video:
+            raise ValueError(f"data.buckets: model.arch '{self.model.arch}' is a video family; buckets are for images")
 
 
 def batch_arithmetic(cfg: RuntimeConfig, n_train: int, dp: int = 1) -> str:
@@ -114,16 +120,20 @@ def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: Pretrai
     a rank whose share lost samples to bad data averages over the ones it kept). ``train_sigmas``: the
     table ``flow.objective`` draws from (:func:`pretrain.objective.objective_sigmas`, computed once per
     run), None for a continuous one. Returns the step's metrics, with ``data_wait_s`` (this rank's
-    seconds waiting for data), ``data_wait_share`` (of the step's time) and ``data_skipped`` (samples
-    skipped this step, summed over ranks)."""
+    seconds waiting for data), ``data_wait_share`` (of the step's time), ``data_skipped`` (samples
+    skipped this step, summed over ranks) and, with aspect-ratio buckets, ``samples_<H>x<W>`` (the
+    step's global samples per bucket)."""
     step, t0 = rt.step, time.perf_counter()
     b, accum = cfg.train.batch_size, cfg.train.grad_accum
     model.train()
-    acc, buckets, metrics, wait, skipped = Accumulation(rt), {}, {}, 0.0, []
+    acc, buckets, metrics, wait, skipped, per_bucket = Accumulation(rt), {}, {}, 0.0, [], {}
     for micro in range(accum):
         fed = feed.next()
         wait, skipped = wait + fed.wait_s, skipped + fed.skipped
-        x0, embeds, weight = _inputs(fed, codec, null, device, feed)
+        if getattr(feed.data, "buckets", None):  # samples per aspect-ratio bucket in this step
+            key = f"samples_{fed.shape[0]}x{fed.shape[1]}"
+            per_bucket[key] = per_bucket.get(key, 0) + b
+        x0, embeds, weight = _inputs(fed, codec, null, device)
         noise, sigma, drop = draw_training_noise(x0, cfg.train.seed, step, [micro * b + p for p in fed.positions]
                                                  or [micro * b], cfg.flow, train_sigmas=train_sigmas)
         with rt.autocast():
@@ -142,11 +152,11 @@ def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: Pretrai
                     "; ".join(f"{s}:{k} ({r})" for s, k, r in skipped[:5]))
     n_skipped = round(ranks.mean([float(len(skipped))])[0] * ranks.dp_size) if ranks else len(skipped)
     metrics.update(samples_per_s=b * accum / seconds, data_wait_s=wait, data_wait_share=wait / seconds,
-                   data_skipped=n_skipped)
+                   data_skipped=n_skipped, **per_bucket)
     return metrics
 
 
-def _inputs(fed, codec, null, device, feed: BatchFeed) -> tuple[torch.Tensor, object, float]:
+def _inputs(fed, codec, null, device) -> tuple[torch.Tensor, object, float]:
     """(x0, embeds, loss weight) of a fed micro-batch share: latents from a cache, else the codec's
     encoding of the images; a share whose every sample was skipped trains one zero sample with the null
     prompt at weight 0 (the ranks' collectives still run)."""
@@ -154,7 +164,7 @@ def _inputs(fed, codec, null, device, feed: BatchFeed) -> tuple[torch.Tensor, ob
         return fed.latents.to(device), fed.embeds.to(device), 1.0
     if fed.images is not None:
         return codec.encode(fed.images.to(device)), fed.embeds.to(device), 1.0
-    return torch.zeros(1, *codec.latent_shape(*feed.data.size), device=device), null, 0.0
+    return torch.zeros(1, *codec.latent_shape(*fed.shape), device=device), null, 0.0
 
 
 class PretrainRun:
@@ -188,7 +198,7 @@ class PretrainRun:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         ranks.shard(model, None, cfg.parallel, low_precision=cfg.train.low_precision)
-        self.sampler = sampler_for(self.train_set, cfg.train.seed, cfg.data.shuffle_buffer)
+        self.sampler = sampler_for(self.train_set, cfg.train.seed, cfg.data.shuffle_buffer, cfg.train.batch_size)
         self.feed = BatchFeed(self.train_set, self.sampler, cfg.train.batch_size,
                               ranks.share(cfg.train.batch_size), workers=cfg.data.workers, prefetch=cfg.data.prefetch,
                               pin=device.type == "cuda")

@@ -126,7 +126,7 @@ class MidtrainRun(PolicyRun):
         if cfg.perf.compile and not ranks.distributed:  # under torchrun shard() compiled the blocks
             compile_blocks(st.model)
         require_codec(st.train_set, st.codec)
-        self.sampler = sampler_for(st.train_set, cfg.train.seed, cfg.data.shuffle_buffer)
+        self.sampler = sampler_for(st.train_set, cfg.train.seed, cfg.data.shuffle_buffer, cfg.train.batch_size)
         self.feed = BatchFeed(st.train_set, self.sampler, cfg.train.batch_size, ranks.share(cfg.train.batch_size),
                               workers=cfg.data.workers, prefetch=cfg.data.prefetch, pin=st.device.type == "cuda")
         self.guard = Guard.for_stage(cfg.guard, st, trained=None)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,10 @@ class DataConfig:
     :mod:`pretrain.data.shards`) is read lazily: ``shuffle_buffer`` (the stream order's buffer,
     :mod:`pretrain.data.stream`), ``workers`` DataLoader processes reading ``prefetch`` batches ahead each,
     ``max_pixels`` (larger image headers are skipped unread), ``image_column`` / ``caption_column`` /
-    ``key_column`` (parquet), ``heldout_max`` (held-out samples kept in memory)."""
+    ``key_column`` (parquet), ``heldout_max`` (held-out samples kept in memory); ``buckets``: aspect-ratio
+    buckets ``[[height, width], ...]`` (pixels; none: every image at ``size`` x ``size``): each train
+    image goes to the bucket nearest its aspect ratio, every global micro-batch is of one bucket
+    (:class:`pretrain.data.stream.BucketSampler`), and the held-out split stays square at ``size``."""
 
     source: str = "openmoji"
     path: str | None = None
@@ -66,6 +69,7 @@ class DataConfig:
     scenes: int = 16384
     heldout_per_category: int = 32
     layout: str = "random"
+    buckets: list[list[int]] = field(default_factory=list)
     shuffle_buffer: int = 1000
     workers: int = 0
     prefetch: int = 2
@@ -104,10 +108,14 @@ class DataConfig:
             raise ValueError(f"{prefix}path: '{self.path}' does not exist (a folder of .tar or .parquet shards)")
         if self.source == "latent_cache" and not (path / "cache.json").is_file():
             raise ValueError(f"{prefix}path: '{self.path}' has no cache.json (write a cache with `posttrain cache`)")
-        if self.workers < 0 or self.prefetch < 1 or self.heldout_max < 1 or self.max_pixels < 1:
-            raise ValueError(f"{prefix}workers, {prefix}prefetch, {prefix}heldout_max, {prefix}max_pixels: must be "
-                             f">= 0, >= 1, >= 1, >= 1, got {self.workers}, {self.prefetch}, {self.heldout_max}, "
-                             f"{self.max_pixels}")
+        if self.buckets and (self.source != "shards" or any(len(b) != 2 or min(b) < 1 for b in self.buckets)):
+            raise ValueError(f"{prefix}buckets: [[height, width], ...] of positive sizes, for source 'shards' only "
+                             f"(got {self.buckets} with source '{self.source}')")
+        if self.workers < 0:
+            raise ValueError(f"{prefix}workers: must be >= 0 (0 reads in the training process), got {self.workers}")
+        for name in ("prefetch", "heldout_max", "max_pixels", "shuffle_buffer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
         if self.train_half not in (None, 0, 1):
             raise ValueError(f"{prefix}train_half: must be 0, 1 or null, got {self.train_half}")
 
@@ -370,10 +378,10 @@ class EpochSampler:
     def next(self, batch_size: int) -> list[int]:
         out: list[int] = []
         while len(out) < batch_size:
-            take = min(batch_size - len(out), self.n - self.offset)
+            take = min(batch_size - len(out), len(self._perm) - self.offset)
             out += self._perm[self.offset:self.offset + take]
             self.offset += take
-            if self.offset == self.n:
+            if self.offset == len(self._perm):
                 self.epoch, self.offset = self.epoch + 1, 0
                 self._perm = self._permutation(self.epoch)
         return out

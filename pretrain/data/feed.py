@@ -31,7 +31,7 @@ class Fed:
     PromptEmbeds ``[n, ...]``; ``positions``: each kept sample's position in the global micro-batch
     (keys the per-sample noise); ``keys``: "shard:key" per kept sample of a sharded set, else its
     index; ``skipped``: ``(shard, key, reason)`` per skipped sample; ``wait_s``: seconds the caller
-    waited for this batch."""
+    waited for this batch; ``shape``: (height, width) of a lazy set's batch (its bucket)."""
 
     images: torch.Tensor | None
     latents: torch.Tensor | None
@@ -41,6 +41,7 @@ class Fed:
     keys: list[str]
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     wait_s: float = 0.0
+    shape: tuple[int, int] | None = None
 
 
 class _Samples(torch.utils.data.Dataset):
@@ -136,6 +137,7 @@ class BatchFeed:
                                f"expected {idx[lo:hi][:4]}...")
         fed = self._fed(got)
         fed.wait_s = time.perf_counter() - t0
+        fed.shape = self.data.shape_of(idx[lo]) if hasattr(self.data, "shape_of") else self.data.size
         return fed
 
     def _fed(self, got: dict) -> Fed:

@@ -34,9 +34,21 @@ class ShardSet:
     lazy = True
 
     def __init__(self, index: ShardIndex, ids: np.ndarray, size: tuple[int, int], encoder,
-                 columns: ParquetColumns, max_pixels: int):
+                 columns: ParquetColumns, max_pixels: int, buckets: list[tuple[int, int]] | None = None):
         self.index, self.ids, self.size, self.encoder = index, ids, size, encoder
         self.reader, self.max_pixels = ShardReader(index, columns), max_pixels
+        self.buckets = [tuple(b) for b in buckets] if buckets else None
+        self.bucket_of = nearest_bucket(np.asarray(index.size)[ids], self.buckets) if self.buckets else None
+
+    def shape_of(self, j: int) -> tuple[int, int]:
+        """(height, width) sample ``j`` is decoded at: its bucket's, else ``size``."""
+        return self.buckets[int(self.bucket_of[j])] if self.buckets else self.size
+
+    def bucket_counts(self) -> dict[str, int]:
+        """Train samples per bucket, ``{"HxW": n}``."""
+        counts = np.bincount(self.bucket_of, minlength=len(self.buckets)) if self.buckets else [len(self)]
+        shapes = self.buckets or [self.size]
+        return {f"{h}x{w}": int(n) for (h, w), n in zip(shapes, counts)}
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -55,11 +67,22 @@ class ShardSet:
         i = int(self.ids[j])
         data, caption = self.reader.read(i)
         where = self.reader.where(i)
-        image = decode_image(data, self.size[0], self.size[1], self.max_pixels, where)
+        height, width = self.shape_of(j)
+        image = decode_image(data, height, width, self.max_pixels, where)
         return torch.from_numpy(image.copy()).permute(2, 0, 1).contiguous(), caption, where
 
     def encode(self, captions: list[str]):
         return self.encoder.encode(captions)
+
+
+def nearest_bucket(sizes: np.ndarray, buckets: list[tuple[int, int]]) -> np.ndarray:
+    """Per image (``sizes``: ``[n, 2]`` width, height; ``[0, 0]`` when unknown, taken as square) the index
+    of the bucket (height, width) nearest its aspect ratio in log space (ties: the first bucket)."""
+    sizes = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)
+    known = (sizes > 0).all(axis=1)
+    aspect = np.where(known, np.log(np.where(known, sizes[:, 1], 1) / np.where(known, sizes[:, 0], 1)), 0.0)
+    targets = np.log(np.array([h / w for h, w in buckets]))
+    return np.abs(aspect[:, None] - targets[None, :]).argmin(axis=1)
 
 
 def shard_sets(cfg, encoder, cache: Path) -> tuple[ShardSet, torch.Tensor, list[str]]:
@@ -76,7 +99,7 @@ def shard_sets(cfg, encoder, cache: Path) -> tuple[ShardSet, torch.Tensor, list[
         raise DatasetError(f"data.path: the {'train' if not len(train_ids) else 'held-out'} split of '{cfg.path}' "
                            f"is empty ({len(index)} samples, heldout_fraction={cfg.heldout_fraction})")
     size = (cfg.size, cfg.size)
-    train = ShardSet(index, train_ids, size, encoder, columns, cfg.max_pixels)
+    train = ShardSet(index, train_ids, size, encoder, columns, cfg.max_pixels, cfg.buckets or None)
     pool = ShardSet(index, held_ids, size, encoder, columns, cfg.max_pixels)
     images, captions, bad = [], [], []
     for j in range(len(pool)):
@@ -93,6 +116,6 @@ def shard_sets(cfg, encoder, cache: Path) -> tuple[ShardSet, torch.Tensor, list[
         log.warning("shards: held-out split skipped %d bad sample(s), first: %s", len(bad), "; ".join(bad[:5]))
     if not images:
         raise DatasetError(f"data.path: no held-out sample of '{cfg.path}' decodes ({len(bad)} bad)")
-    log.info("shards: %d train samples in %d shard(s), %d held-out kept in memory", len(train),
-             len(index.shards), len(images))
+    log.info("shards: %d train samples in %d shard(s), %d held-out kept in memory%s", len(train),
+             len(index.shards), len(images), f"; buckets {train.bucket_counts()}" if train.buckets else "")
     return train, torch.stack(images), captions

@@ -50,9 +50,47 @@ class StreamSampler(EpochSampler):
         return stream_order(self.counts, self.seed, epoch, self.buffer).tolist()
 
 
-def sampler_for(data, seed: int, buffer: int) -> EpochSampler:
-    """The run's sampler over ``data``: a :class:`StreamSampler` for a set laid out in shards
-    (``data.stream_counts()`` gives its samples per shard), else an
+def sampler_for(data, seed: int, buffer: int, batch_size: int) -> EpochSampler:
+    """The run's sampler over ``data`` (global micro-batches of ``batch_size``): a :class:`BucketSampler`
+    for a set with aspect-ratio buckets (``data.bucket_of``), a :class:`StreamSampler` for a set laid
+    out in shards (``data.stream_counts()`` gives its samples per shard), else an
     :class:`pretrain.data.dataset.EpochSampler` (a permutation per epoch)."""
     counts = data.stream_counts() if hasattr(data, "stream_counts") else None
-    return EpochSampler(len(data), seed) if counts is None else StreamSampler(counts, seed, buffer)
+    if counts is None:
+        return EpochSampler(len(data), seed)
+    if getattr(data, "bucket_of", None) is not None:
+        return BucketSampler(counts, data.bucket_of, seed, buffer, batch_size)
+    return StreamSampler(counts, seed, buffer)
+
+
+class BucketSampler(EpochSampler):
+    """Aspect-ratio buckets over a :func:`stream_order`: walking the epoch's order, each sample joins its
+    bucket's pending list (``bucket_of``: bucket per position), and a bucket that reaches ``batch_size``
+    emits a global micro-batch, so every micro-batch is of one bucket and the batches interleave in
+    stream order. A bucket's last partial batch of an epoch is dropped (``dropped``: per epoch, the count);
+    the epoch's length is a multiple of ``batch_size`` and varies by epoch. ``next`` must be called with
+    ``batch_size``. State (epoch, offset) as the base class."""
+
+    def __init__(self, counts: list[int], bucket_of: np.ndarray, seed: int, buffer: int, batch_size: int):
+        self.counts, self.buffer, self.batch_size = list(counts), buffer, batch_size
+        self.bucket_of, self.dropped = np.asarray(bucket_of), {}
+        super().__init__(int(sum(counts)), seed)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        pending: dict[int, list[int]] = {}
+        out: list[int] = []
+        for i in stream_order(self.counts, self.seed, epoch, self.buffer).tolist():
+            group = pending.setdefault(int(self.bucket_of[i]), [])
+            group.append(i)
+            if len(group) == self.batch_size:
+                out += group
+                group.clear()
+        self.dropped[epoch] = sum(len(g) for g in pending.values())
+        if not out:
+            raise ValueError(f"data.buckets: no bucket holds a full batch of {self.batch_size} samples")
+        return out
+
+    def next(self, batch_size: int) -> list[int]:
+        if batch_size != self.batch_size:
+            raise ValueError(f"BucketSampler: batches of {self.batch_size}, asked for {batch_size}")
+        return super().next(batch_size)

@@ -88,7 +88,7 @@ def test_hostile_shards_are_skipped_counted_and_never_repeated(tars, tmp_path):
     bad = {k: r for k, r in bad.items() if k in keys}  # those the hash did not hold out
     assert len(bad) >= 3
     n = len(train) // 10 * 10
-    feed = BatchFeed(train, sampler_for(train, 0, 32), 10, (0, 10), workers=2)
+    feed = BatchFeed(train, sampler_for(train, 0, 32, 10), 10, (0, 10), workers=2)
     seen, skipped = [], []
     for _ in range(n // 10):  # one epoch
         fed = feed.next()
@@ -105,7 +105,7 @@ def test_workers_read_what_one_process_reads(tar_folder, tmp_path):
     train, _ = build_datasets(cfg, NoTextEmbeds())
     got = []
     for workers in (0, 2):
-        feed = BatchFeed(train, sampler_for(train, 5, 100), 16, (4, 12), workers=workers, prefetch=3)
+        feed = BatchFeed(train, sampler_for(train, 5, 100, 16), 16, (4, 12), workers=workers, prefetch=3)
         batches = [feed.next() for _ in range(5)]
         assert all(b.positions == list(range(4, 12)) for b in batches)
         got.append(([b.keys for b in batches], torch.cat([b.images for b in batches])))
@@ -151,3 +151,68 @@ def test_a_resumed_run_sees_and_trains_exactly_what_the_uninterrupted_run_does(t
     assert len(keys) == 6 and resumed_keys == keys[3:]
     assert sorted(sum(keys[:4], [])) == sorted(set(sum(keys[:4], [])))  # an epoch has no repeat
     assert set(weights) == set(resumed) and all(torch.equal(weights[k], resumed[k]) for k in weights)
+
+
+def test_aspect_ratio_buckets_batch_one_shape_and_the_export_samples_at_each(tars, tmp_path, capsys):
+    """Tall, square and wide images in one shard set, three buckets at data.size 32: every micro-batch is
+    of one bucket, the per-bucket counts are logged, and the export samples at each bucket's size."""
+    import io
+
+    from PIL import Image
+
+    from posttrain.cli import main
+    from pretrain.data.shards import write_tar_shards
+    from pretrain.runtime.metrics import read_metrics
+    from tests.shard_sets import emoji_samples
+
+    buckets = {(32, 32): (32, 32), (16, 32): (32, 16), (32, 16): (16, 32)}  # bucket (H, W): image (W, H)
+
+    def samples():
+        for i, (key, data, caption) in enumerate(emoji_samples(300, size=32)):
+            w, h = list(buckets.values())[i % 3]
+            buf = io.BytesIO()
+            Image.open(io.BytesIO(data)).resize((w, h)).save(buf, "PNG")
+            yield key, buf.getvalue(), caption
+
+    write_tar_shards(samples(), tars / "aspect", 50)
+    spec = "[" + ",".join(f"[{h},{w}]" for h, w in buckets) + "]"
+    run = PretrainRun_of(tmp_path, tars / "aspect", spec)
+    keys = record_keys(run)
+    shapes = []
+    feed_next = run.feed.next
+
+    def shape():
+        fed = feed_next()
+        shapes.append((fed.shape, tuple(fed.images.shape[-2:])))
+        return fed
+
+    run.feed.next = shape
+    from pretrain.runtime.loop import run_stage
+
+    run_stage(run)
+    assert all(s == i for s, i in shapes) and len({s for s, _ in shapes}) == 3  # one shape per batch, all three seen
+    inverse = {image: f"{h}x{w}" for (h, w), image in buckets.items()}
+    sizes = [tuple(run.train_set.index.size[i]) for i in run.train_set.ids]
+    assert run.train_set.bucket_counts() == {b: sizes.count(image) for image, b in inverse.items()}
+    index = {k: i for i, k in enumerate(run.train_set.index.key)}
+    for batch, (s, _) in zip(keys, shapes):  # each sample sits in the bucket of its own aspect ratio
+        w, h = run.train_set.index.size[index[batch[0].split(":")[1]]]
+        assert buckets[s] == (w, h)
+    rows = read_metrics(tmp_path / "pretrain" / "metrics.jsonl")
+    logged = {k for r in rows for k in r if k.startswith("samples_") and k != "samples_per_s"}
+    assert logged == {"samples_32x32", "samples_16x32", "samples_32x16"}
+    export, grids = tmp_path / "pretrain" / "export", set()
+    for h, w in buckets:
+        out = tmp_path / f"sample_{h}x{w}.png"
+        assert main(["sample", str(export), "--prompts", "a cat", "--steps", "2", "--height", str(h), "--width", str(w),
+                     "--out", str(out)]) == 0
+        grids.add(Image.open(out).size)
+    assert len(grids) == 3  # three grid shapes: the cells are the buckets' sizes
+
+
+def PretrainRun_of(run_dir, folder, buckets):
+    from pretrain.trainer import PretrainRun
+
+    return PretrainRun(tiny_config(run_dir, "data.source=shards", f"data.path={folder}", "data.size=32",
+                                   f"data.buckets={buckets}", "data.limit=null", "train.steps=12", "eval.every=0",
+                                   "eval.heldout_samples=8", "data.heldout_fraction=0.05"))

@@ -154,6 +154,9 @@ def _schema_and_config(command):
     ("data.source=folder", "data.path", "required when data.source is 'folder'"),
     ("data.source=prompts", "data.path", "required when data.source is 'prompts'"),
     ("data.train_half=2", "data.train_half", "must be 0, 1 or null"),
+    ("data.source=shards", "data.path", "required when data.source is 'shards'"),
+    ("data.buckets=[[16,8]]", "data.buckets", "[[height, width], ...] of positive sizes, for source 'shards' only"),
+    ("data.workers=-1", "data.workers", "must be >= 0"),
     ("optim.lr=nan", "optim.lr", "must be a finite number > 0, got nan"),
     ("optim.lr=inf", "optim.lr", "must be a finite number > 0, got inf"),
     ("optim.lr=0", "optim.lr", "must be a finite number > 0, got 0.0"),
@@ -166,6 +169,15 @@ def test_data_and_lr_errors_are_config_errors(command, override, key, says):
     with pytest.raises(ConfigError) as e:
         load_config(schema, path, [*extra, override])
     assert f"{key}: {says}" in str(e.value)
+
+
+def test_buckets_must_fit_the_model(tmp_path):
+    from pretrain.config import load_config
+    from pretrain.trainer import PretrainConfig
+
+    with pytest.raises(ConfigError, match=r"data.buckets: \[16, 32\] must be multiples of the patch size 4 and at "
+                                          r"most data.size 16"):
+        load_config(PretrainConfig, TINY, ["data.source=shards", f"data.path={tmp_path}", "data.buckets=[[16,32]]"])
 
 
 @pytest.mark.parametrize("command", ["pretrain", "grpo", "dpo"])
