@@ -114,3 +114,26 @@ def record_keys(run) -> list[list[str]]:
 
     run.feed.next = record
     return keys
+
+
+def mp4(frames: np.ndarray, fps: float = 10.0) -> bytes:
+    """MP4 (H.264) bytes of uint8 frames ``[F, H, W, 3]`` (imageio's ffmpeg plugin)."""
+    import imageio.v3 as iio
+
+    return iio.imwrite("<bytes>", frames, extension=".mp4", plugin="FFMPEG", fps=fps, macro_block_size=1)
+
+
+def video_set(folder: Path, n: int = 96, per_shard: int = 24, size: int = 16, frames: int = 8) -> list[Path]:
+    """``n`` moving-emoji clips (``frames`` frames at ``size`` px, 10 fps) as mp4 members of tar shards."""
+    import webdataset as wds
+
+    from pretrain.data.dataset import load_moving_emoji
+
+    raw = load_moving_emoji(DataConfig(source="moving_emoji", size=size, frames=frames))
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(folder / "clips-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(n):
+            j = i % len(raw["captions"])
+            clip = raw["images"][j].permute(0, 2, 3, 1).numpy()
+            sink.write({"__key__": f"c{i:05d}", "mp4": mp4(clip), "txt": raw["captions"][j]})
+    return sorted(folder.glob("*.tar"))

@@ -37,8 +37,8 @@ class CacheModel:
 
 @dataclass
 class CacheConfig:
-    """``data``: the source to encode (any image source; a ``shards`` set is read lazily, bad samples
-    skipped and counted); ``text_encoder`` and ``codec``: the run's (their identities are recorded and
+    """``data``: the source to encode (any image or video source; a ``shards`` set is read lazily, bad
+    samples skipped and counted); ``text_encoder`` and ``codec``: the run's (their identities are recorded and
     checked when training reads the cache); ``batch_size``: samples per encoder call; ``per_shard``: rows
     per cache shard; ``device``: where the encoders run. Output: ``<run_dir>/cache/data``."""
 
@@ -53,8 +53,8 @@ class CacheConfig:
 
     def validate(self, prefix: str = "") -> None:
         require_positive(self, prefix, "batch_size", "per_shard")
-        if self.data.source in ("prompts", "moving_emoji"):
-            raise ValueError(f"{prefix}data.source: cache encodes images; '{self.data.source}' has none or is video")
+        if self.data.source == "prompts":
+            raise ValueError(f"{prefix}data.source: cache encodes images or videos; 'prompts' has none")
 
 
 def _train_batches(train, batch_size: int):

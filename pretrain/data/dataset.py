@@ -55,7 +55,9 @@ class DataConfig:
     ``key_column`` (parquet), ``heldout_max`` (held-out samples kept in memory); ``buckets``: aspect-ratio
     buckets ``[[height, width], ...]`` (pixels; none: every image at ``size`` x ``size``): each train
     image goes to the bucket nearest its aspect ratio, every global micro-batch is of one bucket
-    (:class:`pretrain.data.stream.BucketSampler`), and the held-out split stays square at ``size``."""
+    (:class:`pretrain.data.stream.BucketSampler`), and the held-out split stays square at ``size``. Video
+    clips in shards (``mp4``, ...) give ``frames`` frames ``frame_stride`` apart, or at ``fps`` frames per
+    second when set, from the middle of the clip (:func:`pretrain.data.shards.decode_video`)."""
 
     source: str = "openmoji"
     path: str | None = None
@@ -70,6 +72,8 @@ class DataConfig:
     heldout_per_category: int = 32
     layout: str = "random"
     buckets: list[list[int]] = field(default_factory=list)
+    frame_stride: int = 1
+    fps: float | None = None
     shuffle_buffer: int = 1000
     workers: int = 0
     prefetch: int = 2
@@ -113,7 +117,9 @@ class DataConfig:
                              f"(got {self.buckets} with source '{self.source}')")
         if self.workers < 0:
             raise ValueError(f"{prefix}workers: must be >= 0 (0 reads in the training process), got {self.workers}")
-        for name in ("prefetch", "heldout_max", "max_pixels", "shuffle_buffer"):
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"{prefix}fps: must be > 0 or null (null: every frame_stride-th frame), got {self.fps}")
+        for name in ("prefetch", "heldout_max", "max_pixels", "shuffle_buffer", "frame_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
         if self.train_half not in (None, 0, 1):

@@ -17,8 +17,8 @@ import torch
 
 from pretrain.data.emoji import is_heldout
 from pretrain.data.folder import DatasetError
-from pretrain.data.shards import BadSample, ParquetColumns, ShardIndex, ShardReader, build_index, decode_image, \
-    list_shards
+from pretrain.data.shards import VIDEO_EXTS, BadSample, ClipSampling, ParquetColumns, ShardIndex, ShardReader, \
+    build_index, decode_image, decode_video, list_shards
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 class ShardSet:
     """The samples ``ids`` (positions in ``index``) of a shard set at ``height`` x ``width``.
 
-    ``get(j)`` -> (uint8 ``[3, H, W]`` tensor, caption, (shard, key)) of the j-th sample, or raises
+    ``get(j)`` -> (uint8 ``[3, H, W]`` tensor, or ``[F, 3, H, W]`` for a video clip sampled by ``clip``,
+    caption, (shard, key)) of the j-th sample, or raises
     :class:`pretrain.data.shards.BadSample`; ``stream_counts()``: samples per shard (the stream order's input);
     ``encode(captions)``: their embeddings (the run's text encoder). ``lazy = True`` marks a set the
     feed reads through DataLoader workers."""
@@ -34,9 +35,11 @@ class ShardSet:
     lazy = True
 
     def __init__(self, index: ShardIndex, ids: np.ndarray, size: tuple[int, int], encoder,
-                 columns: ParquetColumns, max_pixels: int, buckets: list[tuple[int, int]] | None = None):
+                 columns: ParquetColumns, max_pixels: int, buckets: list[tuple[int, int]] | None = None,
+                 clip: ClipSampling | None = None):
         self.index, self.ids, self.size, self.encoder = index, ids, size, encoder
         self.reader, self.max_pixels = ShardReader(index, columns), max_pixels
+        self.clip = clip or ClipSampling(max_pixels=max_pixels)
         self.buckets = [tuple(b) for b in buckets] if buckets else None
         self.bucket_of = nearest_bucket(np.asarray(index.size)[ids], self.buckets) if self.buckets else None
 
@@ -65,9 +68,12 @@ class ShardSet:
 
     def get(self, j: int) -> tuple[torch.Tensor, str, tuple[str, str]]:
         i = int(self.ids[j])
-        data, caption = self.reader.read(i)
+        data, caption, ext = self.reader.read(i)
         where = self.reader.where(i)
         height, width = self.shape_of(j)
+        if ext in VIDEO_EXTS:  # [F, 3, H, W]
+            video = decode_video(data, ext, self.clip, height, width, where)
+            return torch.from_numpy(video.copy()).permute(0, 3, 1, 2).contiguous(), caption, where
         image = decode_image(data, height, width, self.max_pixels, where)
         return torch.from_numpy(image.copy()).permute(2, 0, 1).contiguous(), caption, where
 
@@ -99,8 +105,9 @@ def shard_sets(cfg, encoder, cache: Path) -> tuple[ShardSet, torch.Tensor, list[
         raise DatasetError(f"data.path: the {'train' if not len(train_ids) else 'held-out'} split of '{cfg.path}' "
                            f"is empty ({len(index)} samples, heldout_fraction={cfg.heldout_fraction})")
     size = (cfg.size, cfg.size)
-    train = ShardSet(index, train_ids, size, encoder, columns, cfg.max_pixels, cfg.buckets or None)
-    pool = ShardSet(index, held_ids, size, encoder, columns, cfg.max_pixels)
+    clip = ClipSampling(cfg.frames, cfg.frame_stride, cfg.fps, cfg.max_pixels)
+    train = ShardSet(index, train_ids, size, encoder, columns, cfg.max_pixels, cfg.buckets or None, clip)
+    pool = ShardSet(index, held_ids, size, encoder, columns, cfg.max_pixels, clip=clip)
     images, captions, bad = [], [], []
     for j in range(len(pool)):
         if len(images) == cfg.heldout_max:

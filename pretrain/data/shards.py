@@ -2,7 +2,8 @@
 
 A **tar shard** follows the WebDataset convention (what ``webdataset.ShardWriter``, img2dataset and
 LAION write): members ``<key>.<ext>`` grouped into one sample per key, an image under ``jpg``, ``jpeg``,
-``png`` or ``webp`` and a caption under ``txt`` or ``caption`` (UTF-8) or ``json`` (its ``"caption"``).
+``png`` or ``webp`` (or a video clip under ``mp4``, ``webm``, ``mkv``, ``mov`` or ``avi``, decoded by
+imageio's ffmpeg plugin: :func:`decode_video`) and a caption under ``txt`` or ``caption`` (UTF-8) or ``json`` (its ``"caption"``).
 A **parquet shard** has one row per sample: an image column (bytes, or a ``{"bytes": ...}`` struct as
 Hugging Face ``datasets`` writes its ``Image`` feature), a caption column and optionally a key column.
 
@@ -40,6 +41,7 @@ from pretrain.data.folder import DatasetError
 log = logging.getLogger(__name__)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+VIDEO_EXTS = ("mp4", "webm", "mkv", "mov", "avi")
 CAPTION_EXTS = ("txt", "caption", "json")
 INDEX_VERSION = 1
 HEADER_BYTES = 1 << 16  # bytes of an image read to learn its size at indexing
@@ -230,7 +232,8 @@ class ShardReader:
         """(shard file name, key) of sample ``i``."""
         return Path(self.index.shards[self.index.shard[i]]).name, self.index.key[i]
 
-    def read(self, i: int) -> tuple[bytes, str]:
+    def read(self, i: int) -> tuple[bytes, str, str]:
+        """(image or video bytes, caption, the member's extension) of sample ``i``; :class:`BadSample`."""
         if os.getpid() != self._pid:  # forked: never share a file offset with the parent
             self.__init__(self.index, self.columns)
         shard = self.index.shard[i]
@@ -238,18 +241,18 @@ class ShardReader:
         name, key = self.where(i)
         try:
             if path.endswith(".tar"):
-                image, caption = self._read_tar(shard, path, self.index.where[i])
+                image, caption, ext = self._read_tar(shard, path, self.index.where[i])
             else:
-                image, caption = self._read_parquet(shard, path, *self.index.where[i])
+                (image, caption), ext = self._read_parquet(shard, path, *self.index.where[i]), "image"
         except (OSError, ValueError) as e:
             raise BadSample(name, key, f"unreadable bytes ({e})") from e
         if image is None:
             raise BadSample(name, key, "no image")
         if not caption:
             raise BadSample(name, key, "missing caption")
-        return image, caption
+        return image, caption, ext
 
-    def _read_tar(self, shard: int, path: str, exts: dict) -> tuple[bytes | None, str]:
+    def _read_tar(self, shard: int, path: str, exts: dict) -> tuple[bytes | None, str, str | None]:
         f = self._files.get(shard)
         if f is None:
             f = self._files[shard] = open(path, "rb")
@@ -262,14 +265,15 @@ class ShardReader:
                 raise OSError(f"{ext} member cut short")
             return data
 
-        image = next((member(e) for e in IMAGE_EXTS if e in exts), None)
+        ext = next((e for e in (*IMAGE_EXTS, *VIDEO_EXTS) if e in exts), None)
+        image = member(ext) if ext else None
         caption = ""
-        for ext in CAPTION_EXTS:
-            if ext in exts:
-                text = member(ext).decode("utf-8", errors="replace")
-                caption = str(json.loads(text).get("caption") or "") if ext == "json" else text
+        for cap in CAPTION_EXTS:
+            if cap in exts:
+                text = member(cap).decode("utf-8", errors="replace")
+                caption = str(json.loads(text).get("caption") or "") if cap == "json" else text
                 break
-        return image, caption.strip()
+        return image, caption.strip(), ext
 
     def _read_parquet(self, shard: int, path: str, group: int, row: int) -> tuple[bytes | None, str]:
         import pyarrow.parquet as pq
@@ -302,12 +306,59 @@ def decode_image(data: bytes, height: int, width: int, max_pixels: int, where: t
         raise BadSample(*where, f"image too large ({e})") from e
     except Exception as e:  # Pillow raises many types for corrupt data
         raise BadSample(*where, f"corrupt image ({type(e).__name__})") from e
-    rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return cover_crop(Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB"),
+                      height, width)
+
+
+def cover_crop(rgb, height: int, width: int) -> np.ndarray:
+    """uint8 ``[height, width, 3]``: the PIL image ``rgb`` scaled to cover ``height`` x ``width``
+    (bicubic) and centre-cropped."""
+    from PIL import Image
+
     scale = max(width / rgb.width, height / rgb.height)
     w, h = max(width, round(rgb.width * scale)), max(height, round(rgb.height * scale))
     rgb = rgb.resize((w, h), Image.BICUBIC)
     left, top = (w - width) // 2, (h - height) // 2
     return np.asarray(rgb.crop((left, top, left + width, top + height)))
+
+
+def decode_video(data: bytes, ext: str, clip: "ClipSampling", height: int, width: int,
+                 where: tuple[str, str]) -> np.ndarray:
+    """uint8 ``[clip.frames, height, width, 3]``: ``clip.frames`` frames ``stride`` apart (``stride``:
+    ``clip.stride``, or round(source fps / ``clip.fps``) when ``clip.fps`` is set), the window centred in
+    the clip, each frame scaled to cover ``height`` x ``width`` and centre-cropped. :class:`BadSample`
+    ("corrupt video", "clip too short", "video too large": more than ``max_pixels`` per frame)."""
+    import imageio.v3 as iio
+    from PIL import Image
+
+    try:
+        meta = iio.immeta(data, extension=f".{ext}", plugin="FFMPEG")
+        w, h = meta.get("size") or (0, 0)
+        if w * h > clip.max_pixels:
+            raise BadSample(*where, f"video too large ({w}x{h} > {clip.max_pixels} pixels per frame)")
+        frames = iio.imread(data, extension=f".{ext}", plugin="FFMPEG")
+    except BadSample:
+        raise
+    except Exception as e:  # ffmpeg's errors come as several types
+        raise BadSample(*where, f"corrupt video ({type(e).__name__})") from e
+    stride = clip.stride if not clip.fps else max(1, round(float(meta.get("fps") or clip.fps) / clip.fps))
+    need = (clip.frames - 1) * stride + 1
+    if len(frames) < need:
+        raise BadSample(*where, f"clip too short ({len(frames)} frames, {clip.frames} at stride {stride} need {need})")
+    start = (len(frames) - need) // 2
+    picked = frames[start:start + need:stride]
+    return np.stack([cover_crop(Image.fromarray(f).convert("RGB"), height, width) for f in picked])
+
+
+@dataclass(frozen=True)
+class ClipSampling:
+    """How a video sample becomes ``frames`` frames: every ``stride``-th frame, or the stride that gives
+    ``fps`` frames per second when ``fps`` is set; ``max_pixels`` per frame."""
+
+    frames: int = 8
+    stride: int = 1
+    fps: float | None = None
+    max_pixels: int = 89_478_485
 
 
 def write_tar_shards(samples, folder: str | Path, per_shard: int, prefix: str = "shard") -> list[Path]:

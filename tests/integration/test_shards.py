@@ -216,3 +216,15 @@ def PretrainRun_of(run_dir, folder, buckets):
     return PretrainRun(tiny_config(run_dir, "data.source=shards", f"data.path={folder}", "data.size=32",
                                    f"data.buckets={buckets}", "data.limit=null", "train.steps=12", "eval.every=0",
                                    "eval.heldout_samples=8", "data.heldout_fraction=0.05"))
+
+
+def test_a_share_with_no_usable_sample_trains_a_null_sample_at_weight_zero():
+    from pretrain.codec import PatchifyCodec
+    from pretrain.data.feed import Fed
+    from pretrain.text_encoder import PromptEmbeds
+    from pretrain.trainer import _inputs
+
+    null = PromptEmbeds(torch.ones(1, 3, 4), torch.ones(1, 4))
+    fed = Fed(None, None, None, [], [], [], skipped=[("a.tar", "k", "corrupt image")], shape=(16, 24))
+    x0, embeds, weight = _inputs(fed, PatchifyCodec(2), null, "cpu")
+    assert x0.shape == (1, 12, 8, 12) and not x0.any() and embeds is null and weight == 0.0
