@@ -35,7 +35,7 @@ from pretrain.config import require_positive, save_config
 from pretrain.data.dataset import DataConfig, build_datasets
 from rewards.base import CompositeReward, check_reward_weights, parse_reward_specs
 
-IMAGE_SOURCES = ("openmoji", "folder")  # the sources with still images
+IMAGE_SOURCES = ("openmoji", "folder", "moving_emoji")  # the in-memory sources with pixels (images or videos)
 TOTAL = "total"  # the weighted sum of the rewards, as a filter's ``reward``
 NOT_MATCHED = ("run_dir", "overwrite", "model", "batch_size", "grid_samples")  # do not change the data
 DEDUP_METHODS = ("phash", "none")
@@ -134,6 +134,8 @@ class CurateConfig:
         require_positive(self, prefix, "batch_size", "grid_samples")
         if self.shard_size < 0:
             raise ValueError(f"{prefix}shard_size: must be >= 0 (0 writes a folder), got {self.shard_size}")
+        if self.data.source == "moving_emoji" and not self.shard_size:
+            raise ValueError(f"{prefix}shard_size: video clips are written as tar shards of mp4s; set shard_size > 0")
         check_reward_weights(self.rewards, f"{prefix}rewards")
         names = [n for n, s in parse_reward_specs(self.rewards, f"{prefix}rewards").items() if s.weight != 0]
         if TOTAL in names:
@@ -301,11 +303,18 @@ def write_folder(out: Path, images: torch.Tensor, captions: list[str], scores: d
     (out / "captions.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
+def stills(images: torch.Tensor) -> torch.Tensor:
+    """Images ``[N, 3, H, W]`` as they are; videos ``[N, F, 3, H, W]`` as their middle frames (what
+    near-duplicate hashing and the report's grids look at)."""
+    return images[:, images.shape[1] // 2] if images.ndim == 5 else images
+
+
 def write_shards(out: Path, images: torch.Tensor, captions: list[str], scores: dict[str, np.ndarray],
                  keep: np.ndarray, per_shard: int) -> None:
     """Write samples ``keep`` (indices) as WebDataset tar shards of ``per_shard`` samples in ``out``
-    (:func:`pretrain.data.shards.write_tar_shards`): keys ``NNNNNN``, a PNG, the caption, and a json
-    member ``{"caption", "source_index", "scores"}`` (NaN as null)."""
+    (:func:`pretrain.data.shards.write_tar_shards`): keys ``NNNNNN``, a PNG (an MP4 at 8 fps for a video
+    ``[N, F, 3, H, W]``), the caption, and a json member ``{"caption", "source_index", "scores"}`` (NaN
+    as null)."""
     import io
 
     from PIL import Image
@@ -314,10 +323,18 @@ def write_shards(out: Path, images: torch.Tensor, captions: list[str], scores: d
 
     def samples():
         for k, i in enumerate(keep.tolist()):
-            buf = io.BytesIO()
-            Image.fromarray(images[i].permute(1, 2, 0).numpy()).save(buf, "PNG")
+            if images.ndim == 5:
+                import imageio.v3 as iio
+
+                data = iio.imwrite("<bytes>", images[i].permute(0, 2, 3, 1).numpy(), extension=".mp4", plugin="FFMPEG",
+                                   fps=8, macro_block_size=1)
+            else:
+                buf = io.BytesIO()
+                Image.fromarray(images[i].permute(1, 2, 0).numpy()).save(buf, "PNG")
+                data = buf.getvalue()
             s = {n: (float(v[i]) if math.isfinite(v[i]) else None) for n, v in scores.items()}
-            yield f"{k:06d}", buf.getvalue(), captions[i], {"caption": captions[i], "source_index": i, "scores": s}
+            yield (f"{k:06d}", data, captions[i], {"caption": captions[i], "source_index": i, "scores": s},
+                   "mp4" if images.ndim == 5 else "png")
 
     write_tar_shards(samples(), out, per_shard)
 
@@ -390,7 +407,7 @@ def curate(cfg: CurateConfig) -> Path:
     if cfg.dedup.method == "phash":
         t = time.perf_counter()
         candidates = np.flatnonzero(kept)
-        bits = phash_bits(train.images[torch.as_tensor(candidates)], cfg.dedup.hash_size)
+        bits = phash_bits(stills(train.images)[torch.as_tensor(candidates)], cfg.dedup.hash_size)
         seconds["hash"] = time.perf_counter() - t
         t = time.perf_counter()
         duplicates = drop_duplicates(candidates, scores[TOTAL], near_pairs(bits, cfg.dedup.max_distance))
@@ -402,7 +419,7 @@ def curate(cfg: CurateConfig) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
     (write_shards if cfg.shard_size else write_folder)(tmp, train.images, train.captions, scores, np.flatnonzero(kept),
                                                        *([cfg.shard_size] if cfg.shard_size else []))
-    result = Curation(train.images, train.captions, scores, kept, reasons, rules, duplicates, len(held), seconds)
+    result = Curation(stills(train.images), train.captions, scores, kept, reasons, rules, duplicates, len(held), seconds)
     seconds["write"] = time.perf_counter() - t
     t = time.perf_counter()
     report = write_report(root, cfg, result, data)

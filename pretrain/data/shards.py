@@ -362,8 +362,9 @@ class ClipSampling:
 
 
 def write_tar_shards(samples, folder: str | Path, per_shard: int, prefix: str = "shard") -> list[Path]:
-    """Write ``samples`` (an iterable of ``(key, png bytes, caption)`` or ``(key, png bytes, caption,
-    meta)``, ``meta`` a JSON-able dict stored as the ``json`` member) as WebDataset tar shards of
+    """Write ``samples`` (an iterable of ``(key, png bytes, caption)``, ``(key, bytes, caption, meta)`` or
+    ``(key, bytes, caption, meta, ext)``: ``meta`` a JSON-able dict stored as the ``json`` member or None,
+    ``ext`` the data member's extension, "png" by default, e.g. "mp4") as WebDataset tar shards of
     ``per_shard`` samples each (``webdataset.ShardWriter``): ``<folder>/<prefix>-000000.tar``, ...;
     returns their paths."""
     import webdataset as wds
@@ -372,7 +373,8 @@ def write_tar_shards(samples, folder: str | Path, per_shard: int, prefix: str = 
     folder.mkdir(parents=True, exist_ok=True)
     pattern = str(folder / f"{prefix}-%06d.tar")
     with wds.ShardWriter(pattern, maxcount=per_shard, verbose=0) as sink:
-        for key, png, caption, *meta in samples:
-            extra = {"json": json.dumps(meta[0], ensure_ascii=False).encode()} if meta and meta[0] else {}
-            sink.write({"__key__": key, "png": png, "txt": caption, **extra})
+        for key, data, caption, *rest in samples:
+            meta, ext = (rest + [None, "png"][len(rest):])[:2]
+            extra = {"json": json.dumps(meta, ensure_ascii=False).encode()} if meta else {}
+            sink.write({"__key__": key, ext: data, "txt": caption, **extra})
     return sorted(folder.glob(f"{prefix}-*.tar"))

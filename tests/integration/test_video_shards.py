@@ -86,3 +86,23 @@ def test_a_video_family_pretrains_from_clip_shards(tmp_path):
     rows = read_metrics(tmp_path / "run" / "pretrain" / "metrics.jsonl")
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 3 and all(np.isfinite(losses)) and all(r.get("data_skipped", 0) == 0 for r in rows)
+
+
+def test_curate_scores_video_clips_and_writes_mp4_shards_that_read_back(tmp_path):
+    """Moving-emoji clips scored by the motion-direction reward (the caption's direction against the
+    measured motion), the top half kept, written as mp4 shards, read back as a video shard set."""
+    from posttrain.curate.stage import CurateConfig, curate
+    from pretrain.config import load_config
+
+    cfg = load_config(CurateConfig, None, [f"run_dir={tmp_path}", "data.source=moving_emoji", "data.size=16",
+                                           "data.frames=4", "data.limit=48", "rewards={motion_direction: 1.0}",
+                                           "filters=[{reward: total, top_fraction: 0.5}]", "dedup.method=none",
+                                           "shard_size=8"])
+    curate(cfg)
+    out = tmp_path / "curate" / "data"
+    manifest = __import__("json").loads((out / "curate.json").read_text())
+    assert manifest["samples"] == 24 and len(list(out.glob("*.tar"))) == 3
+    train, held = build_datasets(DataConfig(source="shards", path=str(out), size=16, frames=4, heldout_fraction=0.2),
+                                 NoTextEmbeds())
+    video, caption, _ = train.get(0)
+    assert video.shape == (4, 3, 16, 16) and len(train) + len(held) == 24 and caption
