@@ -15,6 +15,9 @@ EXTRAS = {  # module -> (pip extra, PyPI package)
     "imageio.v2": ("video", "imageio"),
     "datasets": ("data", "datasets"),
     "imagehash": ("data", "imagehash"),
+    "webdataset": ("data", "webdataset"),
+    "pyarrow.parquet": ("data", "pyarrow"),
+    "imageio.v3": ("video", "imageio"),
     "torchao": ("lowp", "torchao"),
     "ray": ("ray", "ray"),
 }

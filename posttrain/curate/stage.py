@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from pretrain.config import require_positive, save_config
 from pretrain.data.dataset import DataConfig, build_datasets
+from pretrain.extras import require
 from rewards.base import CompositeReward, check_reward_weights, parse_reward_specs
 
 IMAGE_SOURCES = ("openmoji", "folder", "moving_emoji")  # the in-memory sources with pixels (images or videos)
@@ -107,7 +108,7 @@ class DedupConfig:
 @dataclass
 class CurateConfig:
     """``run_dir``: outputs go to ``<run_dir>/curate/``; ``model``: passed through (:class:`CurateModel`);
-    ``data``: the source (openmoji or folder; its train split is curated); ``rewards``: ``{name: weight}``
+    ``data``: the source (openmoji, folder or moving_emoji clips; its train split is curated); ``rewards``: ``{name: weight}``
     or ``{name: {weight: w, <params>}}`` as GRPO's (dict values from the command line merge into the
     file's: switch one off with weight 0); ``batch_size``: images per reward call; ``filters``: the
     rules (:class:`FilterRule`) in order; ``dedup`` (:class:`DedupConfig`); ``grid_samples``: cells per
@@ -324,8 +325,7 @@ def write_shards(out: Path, images: torch.Tensor, captions: list[str], scores: d
     def samples():
         for k, i in enumerate(keep.tolist()):
             if images.ndim == 5:
-                import imageio.v3 as iio
-
+                iio = require("imageio.v3", "curating video clips")
                 data = iio.imwrite("<bytes>", images[i].permute(0, 2, 3, 1).numpy(), extension=".mp4", plugin="FFMPEG",
                                    fps=8, macro_block_size=1)
             else:

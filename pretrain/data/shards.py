@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.data.folder import DatasetError
+from pretrain.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def _index_tar(path: Path, shard: int, out: ShardIndex) -> None:
 
 
 def _index_parquet(path: Path, shard: int, out: ShardIndex, columns: "ParquetColumns") -> None:
-    import pyarrow.parquet as pq
+    pq = require("pyarrow.parquet", "data.source: shards (parquet)")
 
     try:
         pf = pq.ParquetFile(path)
@@ -276,7 +277,7 @@ class ShardReader:
         return image, caption.strip(), ext
 
     def _read_parquet(self, shard: int, path: str, group: int, row: int) -> tuple[bytes | None, str]:
-        import pyarrow.parquet as pq
+        pq = require("pyarrow.parquet", "data.source: shards (parquet)")
 
         if self._group is None or self._group[:2] != (shard, group):
             table = pq.ParquetFile(path).read_row_group(group, columns=[self.columns.image, self.columns.caption])
@@ -328,9 +329,9 @@ def decode_video(data: bytes, ext: str, clip: "ClipSampling", height: int, width
     ``clip.stride``, or round(source fps / ``clip.fps``) when ``clip.fps`` is set), the window centred in
     the clip, each frame scaled to cover ``height`` x ``width`` and centre-cropped. :class:`BadSample`
     ("corrupt video", "clip too short", "video too large": more than ``max_pixels`` per frame)."""
-    import imageio.v3 as iio
     from PIL import Image
 
+    iio = require("imageio.v3", "video clips in shards")
     try:
         meta = iio.immeta(data, extension=f".{ext}", plugin="FFMPEG")
         w, h = meta.get("size") or (0, 0)
@@ -367,8 +368,7 @@ def write_tar_shards(samples, folder: str | Path, per_shard: int, prefix: str = 
     ``ext`` the data member's extension, "png" by default, e.g. "mp4") as WebDataset tar shards of
     ``per_shard`` samples each (``webdataset.ShardWriter``): ``<folder>/<prefix>-000000.tar``, ...;
     returns their paths."""
-    import webdataset as wds
-
+    wds = require("webdataset", "writing tar shards")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     pattern = str(folder / f"{prefix}-%06d.tar")
