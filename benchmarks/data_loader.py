@@ -102,7 +102,8 @@ def main() -> None:
         for name, data in (("shards on the fly", shards), ("latent cache", cached)):
             for workers in (0, 2):
                 print(f"| {name} | {workers} | {loader_rate(data, 32, workers, 20):.0f} |")
-        print("\n| pretraining step | fed from | workers | model samples/s | wait-for-data share |\n|---|---|---:|---:|---:|")
+        print("\n| pretraining step | fed from | workers | model samples/s | wait-for-data share |\n"
+              "|---|---|---:|---:|---:|")
         for preset, config in (("tiny", "configs/pretrain/emoji_tiny.yaml"), ("small", "configs/pretrain/emoji_small.yaml")):
             for name, data in (("shards", ["data.source=shards", f"data.path={d / 'shards'}"]),
                                ("cache", ["data.source=latent_cache", f"data.path={folder}"])):
@@ -115,7 +116,8 @@ def main() -> None:
     per_gpu = a.gpu_tflops * 1e12 * a.mfu / flops
     decode = decode_1024_seconds()
     print(f"\nSD3.5-M at 1024 px, computed: {flops / 1e12:.0f} TFLOP per training sample -> {per_gpu:.1f} samples/s "
-          f"per GPU at {a.mfu:.0%} of {a.gpu_tflops:.0f} TFLOP/s. On the fly: JPEG decode + resize {decode * 1e3:.0f} ms "
+          f"per GPU at {a.mfu:.0%} of {a.gpu_tflops:.0f} TFLOP/s. On the fly: JPEG decode + resize "
+          f"{decode * 1e3:.0f} ms "
           f"per sample on this CPU -> {per_gpu * decode:.2f} cores per GPU (plus the VAE and text encoders on "
           f"the GPU); from a cache: {(SD35M['latent_bytes'] + SD35M['text_bytes']) / 1e6:.1f} MB per sample -> "
           f"{per_gpu * (SD35M['latent_bytes'] + SD35M['text_bytes']) / 1e6:.0f} MB/s per GPU.")

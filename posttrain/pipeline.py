@@ -59,8 +59,8 @@ class PlannedStage:
         if not self.stage.data_from:
             return self.config
         folder = self.overrides[-1].partition("=")[2]  # data.path=..., the last override
-        return load_config(self.schema, self.stage.config, [*self.overrides[:-1], f"data.source={source_of_folder(folder)}",
-                                                            self.overrides[-1]])
+        source = f"data.source={source_of_folder(folder)}"
+        return load_config(self.schema, self.stage.config, [*self.overrides[:-1], source, self.overrides[-1]])
 
 
 def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:

@@ -127,9 +127,11 @@ class VAECodec:
 
     @property
     def identity(self) -> str:
-        """``vae-<digest>`` of the VAE's config and weights (SHA-256 of every parameter's bytes): what a
-        latent cache records to refuse latents of another VAE."""
-        h = hashlib.sha256(json.dumps(dict(self.vae.config), sort_keys=True, default=str).encode())
+        """``vae-<digest>`` of the VAE's config (without diffusers' ``_name_or_path`` and version) and
+        weights (SHA-256 of every parameter's bytes): what a latent cache records to refuse latents of
+        another VAE, wherever the same one is loaded from."""
+        config = {k: v for k, v in dict(self.vae.config).items() if not k.startswith("_")}  # not its path
+        h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
         for name, t in sorted(self.vae.state_dict().items()):
             h.update(name.encode())
             h.update(t.detach().float().cpu().contiguous().numpy().tobytes())

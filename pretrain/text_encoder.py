@@ -122,7 +122,7 @@ class CLIPFolderEncoder:
 
         if not Path(path, subfolder).is_dir():
             raise FileNotFoundError(f"{path}: no '{subfolder}/' folder (expected a diffusers pipeline folder)")
-        self.path, self.max_length, self.device = path, max_length, device
+        self.path, self.max_length, self.device, self.subfolder = path, max_length, device, subfolder
         self.tokenizer = CLIPTokenizer.from_pretrained(path, subfolder=tokenizer_subfolder)
         self.model = CLIPTextModelWithProjection.from_pretrained(path, subfolder=subfolder).to(device).eval()
         self.model.requires_grad_(False)
@@ -136,7 +136,8 @@ class CLIPFolderEncoder:
 
     @property
     def cache_key(self) -> str:
-        return f"clip-{Path(self.path).resolve().name}-L{self.max_length}"
+        # the subfolder too: a pipeline's text_encoder and text_encoder_2 are different models
+        return f"clip-{Path(self.path).resolve().name}-{self.subfolder}-L{self.max_length}"
 
     @torch.no_grad()
     def encode(self, prompts: list[str], batch_size: int = 64) -> PromptEmbeds:

@@ -117,7 +117,8 @@ def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: Pretrai
     from ``feed`` (:class:`pretrain.data.feed.BatchFeed`: every rank draws the same indices and trains
     its ``ranks.share`` of each), with per-sample noise keyed by (seed, step, position within the step),
     so N ranks train what one process trains. ``loss`` is the mean over the global batch (all-reduced;
-    a rank whose share lost samples to bad data averages over the ones it kept). ``train_sigmas``: the
+    a micro-batch that lost samples to bad data sums the kept ones over its nominal size, on any number
+    of ranks). ``train_sigmas``: the
     table ``flow.objective`` draws from (:func:`pretrain.objective.objective_sigmas`, computed once per
     run), None for a continuous one. Returns the step's metrics, with ``data_wait_s`` (this rank's
     seconds waiting for data), ``data_wait_share`` (of the step's time), ``data_skipped`` (samples
@@ -139,9 +140,10 @@ def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: Pretrai
         with rt.autocast():
             per = pretrain_loss(model, x0, embeds, null, noise, sigma, drop, cfg.flow.objective,
                                 per_sample=True)
-            loss = per.mean() * weight
+            # skipped samples: the kept ones' sum over the nominal share, so N ranks train what one does
+            loss = (per.mean() if not fed.skipped else per.sum() / max(1, fed.nominal)) * weight
         acc.backward(loss)
-        for name, (total, n) in sigma_buckets(sigma, per.detach()).items():  # the spike detector's buckets
+        for name, (total, n) in sigma_buckets(sigma, per.detach()).items() if weight else ():  # spike buckets
             before = buckets.get(name, (0.0, 0))
             buckets[name] = (before[0] + total, before[1] + n)
         # the logged loss is the global batch's (the mean over ranks)
@@ -255,6 +257,7 @@ class PretrainRun:
 
     def finish(self) -> Path:
         cfg, run = self.cfg, self.run
+        self.feed.close()  # the loader's workers end with the training
         sampling_meta = {"num_inference_steps": cfg.eval.num_inference_steps,
                          "guidance_scale": cfg.eval.guidance_scale, "shift": cfg.eval.shift}
         with self.rt.sampling_model() as sampling:

@@ -419,7 +419,8 @@ def curate(cfg: CurateConfig) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
     (write_shards if cfg.shard_size else write_folder)(tmp, train.images, train.captions, scores, np.flatnonzero(kept),
                                                        *([cfg.shard_size] if cfg.shard_size else []))
-    result = Curation(stills(train.images), train.captions, scores, kept, reasons, rules, duplicates, len(held), seconds)
+    result = Curation(stills(train.images), train.captions, scores, kept, reasons, rules, duplicates, len(held),
+                      seconds)
     seconds["write"] = time.perf_counter() - t
     t = time.perf_counter()
     report = write_report(root, cfg, result, data)

@@ -28,7 +28,7 @@ from posttrain.base.stage_config import StageConfig
 from posttrain.dpo.sources import PAIR_SOURCES
 from posttrain.dpo.step import dpo_step
 from pretrain.config import require_positive
-from pretrain.data.dataset import EpochSampler
+from pretrain.data.dataset import EpochSampler, require_in_memory
 from pretrain.models import count_parameters
 from pretrain.objective import FlowConfig
 from pretrain.runtime.loop import run_stage
@@ -125,6 +125,7 @@ class DPOConfig(StageConfig):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
+        require_in_memory(self.data, f"{prefix}data.", "DPO's prompt sampling")
         PAIR_SOURCES.get(self.source).check(self)
 
 

@@ -149,6 +149,9 @@ def paired_samples(model, codec, embeds, null, cfg: EvalConfig, *, image_size: i
 def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
     """``cfg.num_prompts`` prompts evenly spaced over ``cfg.prompts`` (heldout, train or a file);
     ``FileNotFoundError`` naming ``--prompts`` for a missing file."""
+    if cfg.prompts == "train" and not hasattr(train, "captions"):  # a sharded set is read lazily
+        raise ValueError("--prompts: 'train' cannot list the captions of a sharded or cached set; use heldout or "
+                         "a file")
     if cfg.prompts in ("heldout", "train"):
         pool = held.captions if cfg.prompts == "heldout" else train.captions
     else:

@@ -28,7 +28,7 @@ from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage
 from posttrain.base.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.base.stage_config import StageConfig
-from pretrain.data.dataset import EpochSampler
+from pretrain.data.dataset import EpochSampler, require_in_memory
 from pretrain.models import count_parameters
 from pretrain.runtime.profiling import peak_rss_mb
 from rewards.base import CompositeReward, check_reward_weights
@@ -70,6 +70,7 @@ class GRPOConfig(StageConfig):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
+        require_in_memory(self.data, f"{prefix}data.", "GRPO's prompt sampling")
         check_reward_weights(self.rewards)
         iteration_shape(self)
         check_engine(self)

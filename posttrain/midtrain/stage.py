@@ -88,6 +88,9 @@ class MidtrainConfig(StageConfig):
         if self.data.source == "prompts":
             raise ValueError("data.source: 'prompts' has no images to fine-tune on (use openmoji, folder or "
                              "moving_emoji)")
+        if self.data.buckets:
+            raise ValueError(f"{prefix}data.buckets: aspect-ratio buckets are checked against the model's sizes at "
+                             f"pretraining only; midtrain an export at its own square size")
 
 
 def resolve_flow(flow: FlowConfig, meta: dict, export: str | Path) -> FlowConfig:
@@ -157,6 +160,10 @@ class MidtrainRun(PolicyRun):
                                 num_samples=cfg.eval.heldout_samples, device=st.device)
         finally:
             model.train(was_training)
+
+    def close(self) -> None:
+        """Stop the data loader's workers before the final grid and exports."""
+        self.feed.close()
 
     def train_step(self) -> dict:
         """One optimizer step (:func:`pretrain.trainer.train_step`): ``loss``, ``grad_norm``, ``lr``,

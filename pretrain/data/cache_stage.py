@@ -53,8 +53,10 @@ class CacheConfig:
 
     def validate(self, prefix: str = "") -> None:
         require_positive(self, prefix, "batch_size", "per_shard")
-        if self.data.source == "prompts":
-            raise ValueError(f"{prefix}data.source: cache encodes images or videos; 'prompts' has none")
+        if self.data.source in ("prompts", "latent_cache"):
+            raise ValueError(f"{prefix}data.source: cache encodes images or videos; '{self.data.source}' holds none")
+        if self.data.buckets:
+            raise ValueError(f"{prefix}data.buckets: a cache holds one latent shape; cache without buckets")
 
 
 def _train_batches(train, batch_size: int):

@@ -122,6 +122,8 @@ class DataConfig:
         for name in ("prefetch", "heldout_max", "max_pixels", "shuffle_buffer", "frame_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{prefix}{name}: must be >= 1, got {getattr(self, name)}")
+        if self.train_half is not None and self.source in ("shards", "latent_cache"):
+            raise ValueError(f"{prefix}train_half: not applied to source '{self.source}' (split the shards instead)")
         if self.train_half not in (None, 0, 1):
             raise ValueError(f"{prefix}train_half: must be 0, 1 or null, got {self.train_half}")
 
@@ -143,6 +145,17 @@ class EncodedSet:
         indices ``idx``."""
         t = torch.as_tensor(idx, dtype=torch.long)
         return self.images[t].float() / 255.0, self.embeds[t], [self.captions[i] for i in idx]
+
+
+LAZY_SOURCES = ("shards", "latent_cache")  # read batch by batch: no caption list, no image tensor in memory
+
+
+def require_in_memory(cfg: DataConfig, prefix: str, why: str) -> None:
+    """``ValueError`` naming ``<prefix>source`` when ``cfg`` is a lazily read source (``shards``,
+    ``latent_cache``) and the stage needs ``why`` (e.g. its prompt list)."""
+    if cfg.source in LAZY_SOURCES:
+        raise ValueError(f"{prefix}source: '{cfg.source}' is read batch by batch (pretraining, midtraining); {why} "
+                         f"needs an in-memory source (prompts, shapes, openmoji, folder)")
 
 
 def source_of_folder(path: str | Path) -> str:
@@ -369,8 +382,9 @@ def prompt_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
 
 
 class EpochSampler:
-    """Resumable shuffled batches: epoch ``e`` is a permutation drawn from (seed, "data", e);
-    batches run across epoch boundaries. State is (epoch, offset)."""
+    """Resumable shuffled batches: epoch ``e`` is a permutation drawn from (seed, "data", e) (a list, or
+    an int64 array in the streaming subclasses); batches run across epoch boundaries. State is (epoch,
+    offset)."""
 
     def __init__(self, n: int, seed: int):
         if n <= 0:
@@ -385,7 +399,8 @@ class EpochSampler:
         out: list[int] = []
         while len(out) < batch_size:
             take = min(batch_size - len(out), len(self._perm) - self.offset)
-            out += self._perm[self.offset:self.offset + take]
+            chunk = self._perm[self.offset:self.offset + take]
+            out += chunk.tolist() if isinstance(chunk, np.ndarray) else chunk
             self.offset += take
             if self.offset == len(self._perm):
                 self.epoch, self.offset = self.epoch + 1, 0

@@ -4,7 +4,8 @@ Every rank draws the same global micro-batch indices from the run's sampler (its
 checkpoint's data position) and reads its contiguous share. For a lazy set (sharded data,
 :mod:`pretrain.data.sharded_set`; latent caches, :mod:`pretrain.data.latent_cache`) a
 ``torch.utils.data.DataLoader`` decodes the shares ahead in ``workers`` processes (``prefetch`` batches
-each, pinned memory on CUDA; a CPU text encoder embeds the captions in the workers too); its batch sampler walks a copy of the sampler, and each batch it returns
+each, pinned memory on CUDA; a CPU text encoder embeds the captions in the workers too); its batch
+sampler walks a copy of the sampler, and each batch it returns
 is checked against the run's own sampler, which advances only when a batch is consumed, so a
 checkpoint never counts a batch that was read ahead but not trained. In-memory sets are indexed
 directly.
@@ -16,6 +17,7 @@ A sample that cannot be read is skipped, never replaced: the micro-batch trains 
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +33,8 @@ class Fed:
     PromptEmbeds ``[n, ...]``; ``positions``: each kept sample's position in the global micro-batch
     (keys the per-sample noise); ``keys``: "shard:key" per kept sample of a sharded set, else its
     index; ``skipped``: ``(shard, key, reason)`` per skipped sample; ``wait_s``: seconds the caller
-    waited for this batch; ``shape``: (height, width) of a lazy set's batch (its bucket)."""
+    waited for this batch; ``shape``: (height, width) of a lazy set's batch (its bucket); ``nominal``: the
+    share's size before any skip."""
 
     images: torch.Tensor | None
     latents: torch.Tensor | None
@@ -42,6 +45,7 @@ class Fed:
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     wait_s: float = 0.0
     shape: tuple[int, int] | None = None
+    nominal: int = 0
 
 
 class _Samples(torch.utils.data.Dataset):
@@ -105,19 +109,27 @@ class BatchFeed:
         self._it = None
 
     def _iterator(self):
+        fork = "fork" in multiprocessing.get_all_start_methods()
         loader = torch.utils.data.DataLoader(
             _Samples(self.data), batch_sampler=_Ahead(self.sampler, self.batch_size, self.share),
-            collate_fn=_Collate(self._worker_encoder()), num_workers=self.workers, pin_memory=self.pin,
-            prefetch_factor=self.prefetch if self.workers else None, persistent_workers=False)
+            collate_fn=_Collate(self._worker_encoder(fork)), num_workers=self.workers, pin_memory=self.pin,
+            prefetch_factor=self.prefetch if self.workers else None, persistent_workers=False,
+            multiprocessing_context="fork" if self.workers and fork else None)
         return iter(loader)
 
-    def _worker_encoder(self):
-        """The set's caption encoder when workers may run it: with workers, an on-the-fly set (not a
-        cache) and an encoder on the CPU (a CUDA model is not forked)."""
-        if not self.workers or getattr(self.data, "latents", False) or not hasattr(self.data, "encode"):
+    def _worker_encoder(self, fork: bool):
+        """The set's caption encoder when workers may run it: forked workers (the encoder is shared, not
+        pickled), an on-the-fly set (not a cache) and an encoder on the CPU (a CUDA model is not forked)."""
+        if not (self.workers and fork) or getattr(self.data, "latents", False) or not hasattr(self.data, "encode"):
             return None
         encoder = getattr(self.data, "encoder", None)
-        return self.data.encode if str(getattr(encoder, "device", "cpu")) == "cpu" else None
+        return self.data.encode if encoder is not None and str(getattr(encoder, "device", "cpu")) == "cpu" else None
+
+    def close(self) -> None:
+        """Stop the workers now (a new iterator starts at the next batch)."""
+        if self._it is not None and hasattr(self._it, "_shutdown_workers"):
+            self._it._shutdown_workers()
+        self._it = None
 
     def next(self) -> Fed:
         """The next micro-batch share; advances the sampler by one global micro-batch."""
@@ -127,7 +139,7 @@ class BatchFeed:
             idx = self.sampler.next(self.batch_size)
             images, embeds, captions = self.data.batch(idx[lo:hi])
             return Fed(images, None, embeds, captions, list(range(lo, hi)), [str(i) for i in idx[lo:hi]],
-                       wait_s=time.perf_counter() - t0)
+                       wait_s=time.perf_counter() - t0, nominal=hi - lo)
         if self._it is None:  # started at the first batch: after a resume has set the sampler's state
             self._it = self._iterator()
         idx = self.sampler.next(self.batch_size)
@@ -138,6 +150,7 @@ class BatchFeed:
         fed = self._fed(got)
         fed.wait_s = time.perf_counter() - t0
         fed.shape = self.data.shape_of(idx[lo]) if hasattr(self.data, "shape_of") else self.data.size
+        fed.nominal = hi - lo
         return fed
 
     def _fed(self, got: dict) -> Fed:
@@ -151,7 +164,3 @@ class BatchFeed:
             embeds = got["embeds"] if got["embeds"] is not None else self.data.encode(captions)
             images, latents = tensors.float() / 255.0, None
         return Fed(images, latents, embeds, captions, got["positions"], got["keys"], got["skipped"])
-
-    def close(self) -> None:
-        """Stop the workers (a new iterator starts at the next batch)."""
-        self._it = None

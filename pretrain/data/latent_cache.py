@@ -63,7 +63,8 @@ def check_identity(manifest: dict, folder, *, codec: str | None = None, text_enc
 class LatentCacheSet:
     """The train rows of a latent cache, read lazily (``lazy = True``; ``latents = True``: the feed
     gives latents and cached embeddings). ``get(j)`` -> (latents ``[C, h, w]``, caption, (shard, key),
-    (tokens, pooled)); ``stream_counts()``: the source's samples per shard (the stream order); ``embeds((tokens, pooled))``: a batch's stacked embeddings;
+    (tokens, pooled)); ``stream_counts()``: the source's samples per shard (the stream order);
+    ``embeds((tokens, pooled))``: a batch's stacked embeddings;
     ``size``: the images' (H, W) in pixels."""
 
     lazy = latents = True

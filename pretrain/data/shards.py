@@ -3,7 +3,8 @@
 A **tar shard** follows the WebDataset convention (what ``webdataset.ShardWriter``, img2dataset and
 LAION write): members ``<key>.<ext>`` grouped into one sample per key, an image under ``jpg``, ``jpeg``,
 ``png`` or ``webp`` (or a video clip under ``mp4``, ``webm``, ``mkv``, ``mov`` or ``avi``, decoded by
-imageio's ffmpeg plugin: :func:`decode_video`) and a caption under ``txt`` or ``caption`` (UTF-8) or ``json`` (its ``"caption"``).
+imageio's ffmpeg plugin: :func:`decode_video`) and a caption under ``txt`` or ``caption`` (UTF-8) or
+``json`` (its ``"caption"``).
 A **parquet shard** has one row per sample: an image column (bytes, or a ``{"bytes": ...}`` struct as
 Hugging Face ``datasets`` writes its ``Image`` feature), a caption column and optionally a key column.
 
@@ -29,8 +30,10 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import tarfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +49,10 @@ VIDEO_EXTS = ("mp4", "webm", "mkv", "mov", "avi")
 CAPTION_EXTS = ("txt", "caption", "json")
 INDEX_VERSION = 1
 HEADER_BYTES = 1 << 16  # bytes of an image read to learn its size at indexing
+OPEN_FILES = 64  # shard files a reader keeps open (per process; an LRU)
+ROW_GROUPS = 16  # decoded parquet row groups a reader keeps (per process; an LRU): the shuffle buffer
+# spreads consecutive reads over a few groups
+MAX_FRAMES = 100_000  # frames counted at most in a clip without a duration (more: "video too long")
 
 
 class BadSample(Exception):
@@ -118,6 +125,12 @@ def _index_tar(path: Path, shard: int, out: ShardIndex) -> None:
                 stem, _, ext = name[-1].partition(".")
                 key = (name[0] + "/" + stem) if len(name) == 2 else stem
                 members.setdefault(key, {})[ext.lower()] = [info.offset_data, info.size]
+            end = tar.offset  # where the end-of-archive marker (two zero blocks) must be
+        with open(path, "rb") as f:
+            f.seek(end)
+            marker = f.read(1024)
+        if marker != b"\0" * 1024:  # cut at or inside a header: tarfile stops without an error
+            raise tarfile.ReadError("no end-of-archive marker")
     except (tarfile.TarError, OSError, EOFError) as e:
         log.warning("%s: tar ends early (%s); keeping the samples read whole before", path, e)
         cut = True
@@ -159,7 +172,12 @@ def _index_parquet(path: Path, shard: int, out: ShardIndex, columns: "ParquetCol
                                f"data.caption_column)")
     for g in range(pf.num_row_groups):
         want = [columns.image] + ([columns.key] if columns.key in names else [])
-        table = pf.read_row_group(g, columns=want)
+        try:
+            table = pf.read_row_group(g, columns=want)
+        except Exception as e:  # a corrupt row group: its samples are left out, the shard named
+            log.warning("%s: row group %d unreadable (%s: %s); its samples are left out", path, g, type(e).__name__, e)
+            out.truncated[path.name] = out.truncated.get(path.name, 0)
+            continue
         images = table.column(columns.image).to_pylist()
         keys = table.column(columns.key).to_pylist() if columns.key in names else None
         for row, value in enumerate(images):
@@ -213,14 +231,14 @@ def build_index(files: list[Path], cache: Path, columns: ParquetColumns = Parque
 
 
 class ShardReader:
-    """Reads one sample's raw fields by index position: ``read(i) -> (image bytes, caption)``; raises
-    :class:`BadSample`. Keeps one open file per tar shard and the last parquet row group read, per
-    process (opened lazily, so a DataLoader worker opens its own after the fork)."""
+    """Reads one sample's raw fields by index position: ``read(i) -> (bytes, caption, ext)``; raises
+    :class:`BadSample`. Keeps up to ``OPEN_FILES`` shards open and ``ROW_GROUPS`` decoded parquet row
+    groups, per process (opened lazily, so a DataLoader worker opens its own after the fork)."""
 
     def __init__(self, index: ShardIndex, columns: ParquetColumns = ParquetColumns()):
         self.index, self.columns = index, columns
-        self._files: dict[int, object] = {}
-        self._group: tuple[int, int, object] | None = None
+        self._files: OrderedDict[int, object] = OrderedDict()  # at most OPEN_FILES open shards
+        self._groups: OrderedDict[tuple[int, int], object] = OrderedDict()  # decoded parquet row groups
         self._pid = os.getpid()
 
     def __getstate__(self):
@@ -234,30 +252,46 @@ class ShardReader:
         return Path(self.index.shards[self.index.shard[i]]).name, self.index.key[i]
 
     def read(self, i: int) -> tuple[bytes, str, str]:
-        """(image or video bytes, caption, the member's extension) of sample ``i``; :class:`BadSample`."""
+        """(image or video bytes, caption, the member's extension) of sample ``i``. :class:`BadSample`
+        for the sample's own bytes (cut short, undecodable text, a caption member that is not what it
+        should be); a shard that cannot be opened raises ``OSError`` (a storage problem, not a sample)."""
         if os.getpid() != self._pid:  # forked: never share a file offset with the parent
             self.__init__(self.index, self.columns)
         shard = self.index.shard[i]
         path = self.index.shards[shard]
         name, key = self.where(i)
+        handle = self._handle(shard, path)
         try:
             if path.endswith(".tar"):
-                image, caption, ext = self._read_tar(shard, path, self.index.where[i])
+                image, caption, ext = self._read_tar(handle, self.index.where[i])
             else:
-                (image, caption), ext = self._read_parquet(shard, path, *self.index.where[i]), "image"
-        except (OSError, ValueError) as e:
-            raise BadSample(name, key, f"unreadable bytes ({e})") from e
+                (image, caption), ext = self._read_parquet(shard, handle, *self.index.where[i]), "image"
+        except MemoryError:
+            raise
+        except Exception as e:  # pyarrow, json and codecs raise many types for a bad sample
+            raise BadSample(name, key, f"unreadable bytes ({type(e).__name__}: {e})") from e
         if image is None:
             raise BadSample(name, key, "no image")
         if not caption:
             raise BadSample(name, key, "missing caption")
         return image, caption, ext
 
-    def _read_tar(self, shard: int, path: str, exts: dict) -> tuple[bytes | None, str, str | None]:
-        f = self._files.get(shard)
-        if f is None:
-            f = self._files[shard] = open(path, "rb")
+    def _handle(self, shard: int, path: str):
+        """The open file (tar) or ``ParquetFile`` of ``shard``, kept in a small LRU."""
+        handle = self._files.pop(shard, None)
+        if handle is None:
+            if path.endswith(".tar"):
+                handle = open(path, "rb")
+            else:
+                handle = require("pyarrow.parquet", "data.source: shards (parquet)").ParquetFile(path)
+            while len(self._files) >= OPEN_FILES:
+                _, old = self._files.popitem(last=False)
+                getattr(old, "close", lambda: None)()
+        self._files[shard] = handle
+        return handle
 
+    @staticmethod
+    def _read_tar(f, exts: dict) -> tuple[bytes | None, str, str | None]:
         def member(ext: str) -> bytes:
             off, size = exts[ext]
             f.seek(off)
@@ -272,17 +306,21 @@ class ShardReader:
         for cap in CAPTION_EXTS:
             if cap in exts:
                 text = member(cap).decode("utf-8", errors="replace")
-                caption = str(json.loads(text).get("caption") or "") if cap == "json" else text
+                if cap == "json":
+                    meta = json.loads(text)
+                    caption = str(meta.get("caption") or "") if isinstance(meta, dict) else ""
+                else:
+                    caption = text
                 break
         return image, caption.strip(), ext
 
-    def _read_parquet(self, shard: int, path: str, group: int, row: int) -> tuple[bytes | None, str]:
-        pq = require("pyarrow.parquet", "data.source: shards (parquet)")
-
-        if self._group is None or self._group[:2] != (shard, group):
-            table = pq.ParquetFile(path).read_row_group(group, columns=[self.columns.image, self.columns.caption])
-            self._group = (shard, group, table)
-        table = self._group[2]
+    def _read_parquet(self, shard: int, pf, group: int, row: int) -> tuple[bytes | None, str]:
+        table = self._groups.pop((shard, group), None)
+        if table is None:
+            table = pf.read_row_group(group, columns=[self.columns.image, self.columns.caption])
+            while len(self._groups) >= ROW_GROUPS:
+                self._groups.popitem(last=False)
+        self._groups[(shard, group)] = table
         value = table.column(self.columns.image)[row].as_py()
         image = value.get("bytes") if isinstance(value, dict) else value
         caption = table.column(self.columns.caption)[row].as_py()
@@ -312,15 +350,15 @@ def decode_image(data: bytes, height: int, width: int, max_pixels: int, where: t
 
 
 def cover_crop(rgb, height: int, width: int) -> np.ndarray:
-    """uint8 ``[height, width, 3]``: the PIL image ``rgb`` scaled to cover ``height`` x ``width``
-    (bicubic) and centre-cropped."""
+    """uint8 ``[height, width, 3]``: the centre of the PIL image ``rgb`` with the aspect ratio of
+    ``height`` x ``width``, resized to it (bicubic): the image scaled to cover, then centre-cropped. The
+    crop is taken in the source's coordinates, so an extreme aspect ratio costs no huge resize."""
     from PIL import Image
 
     scale = max(width / rgb.width, height / rgb.height)
-    w, h = max(width, round(rgb.width * scale)), max(height, round(rgb.height * scale))
-    rgb = rgb.resize((w, h), Image.BICUBIC)
-    left, top = (w - width) // 2, (h - height) // 2
-    return np.asarray(rgb.crop((left, top, left + width, top + height)))
+    w, h = width / scale, height / scale  # the crop, in source pixels
+    left, top = (rgb.width - w) / 2, (rgb.height - h) / 2
+    return np.asarray(rgb.resize((width, height), Image.BICUBIC, box=(left, top, left + w, top + h)))
 
 
 def decode_video(data: bytes, ext: str, clip: "ClipSampling", height: int, width: int,
@@ -328,7 +366,9 @@ def decode_video(data: bytes, ext: str, clip: "ClipSampling", height: int, width
     """uint8 ``[clip.frames, height, width, 3]``: ``clip.frames`` frames ``stride`` apart (``stride``:
     ``clip.stride``, or round(source fps / ``clip.fps``) when ``clip.fps`` is set), the window centred in
     the clip, each frame scaled to cover ``height`` x ``width`` and centre-cropped. :class:`BadSample`
-    ("corrupt video", "clip too short", "video too large": more than ``max_pixels`` per frame)."""
+    ("corrupt video", "clip too short", "video too large": more than ``max_pixels`` per frame, "video too
+    long": no duration and over ``MAX_FRAMES`` frames). Only the kept frames are held in memory; the clip's
+    length comes from its duration x fps (counted by decoding when the container has no duration)."""
     from PIL import Image
 
     iio = require("imageio.v3", "video clips in shards")
@@ -337,18 +377,34 @@ def decode_video(data: bytes, ext: str, clip: "ClipSampling", height: int, width
         w, h = meta.get("size") or (0, 0)
         if w * h > clip.max_pixels:
             raise BadSample(*where, f"video too large ({w}x{h} > {clip.max_pixels} pixels per frame)")
-        frames = iio.imread(data, extension=f".{ext}", plugin="FFMPEG")
-    except BadSample:
+        source_fps = float(meta.get("fps") or 0)
+        source_fps = source_fps if math.isfinite(source_fps) and source_fps > 0 else float(clip.fps or 1)
+        stride = clip.stride if not clip.fps else max(1, round(source_fps / clip.fps))
+        need = (clip.frames - 1) * stride + 1
+        duration = float(meta.get("duration") or 0)
+        count = round(duration * source_fps) if math.isfinite(duration) and duration > 0 else None
+        if count is None:  # no duration in the container: count the frames (decoded, none kept)
+            count = 0
+            for _ in iio.imiter(data, extension=f".{ext}", plugin="FFMPEG"):
+                count += 1
+                if count > MAX_FRAMES:
+                    raise BadSample(*where, f"video too long (over {MAX_FRAMES} frames without a duration)")
+        if count < need:
+            raise BadSample(*where, f"clip too short ({count} frames, {clip.frames} at stride {stride} need {need})")
+        start, picked = (count - need) // 2, []
+        for n, frame in enumerate(iio.imiter(data, extension=f".{ext}", plugin="FFMPEG")):
+            if n >= start and (n - start) % stride == 0:  # only the frames kept are converted
+                picked.append(cover_crop(Image.fromarray(frame).convert("RGB"), height, width))
+                if len(picked) == clip.frames:
+                    break
+    except (BadSample, MemoryError):
         raise
     except Exception as e:  # ffmpeg's errors come as several types
         raise BadSample(*where, f"corrupt video ({type(e).__name__})") from e
-    stride = clip.stride if not clip.fps else max(1, round(float(meta.get("fps") or clip.fps) / clip.fps))
-    need = (clip.frames - 1) * stride + 1
-    if len(frames) < need:
-        raise BadSample(*where, f"clip too short ({len(frames)} frames, {clip.frames} at stride {stride} need {need})")
-    start = (len(frames) - need) // 2
-    picked = frames[start:start + need:stride]
-    return np.stack([cover_crop(Image.fromarray(f).convert("RGB"), height, width) for f in picked])
+    if len(picked) < clip.frames:  # the container's duration promised more frames than it holds
+        raise BadSample(*where, f"clip too short (decoded {start + (len(picked) - 1) * stride + 1 if picked else 0} "
+                                f"frames, {clip.frames} at stride {stride} from frame {start})")
+    return np.stack(picked)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,15 @@ is not the file order.
 
 from __future__ import annotations
 
+import hashlib
+import logging
+
 import numpy as np
 
 from pretrain.data.dataset import EpochSampler
 from pretrain.seeding import seed_for
+
+log = logging.getLogger(__name__)
 
 
 def stream_order(counts: list[int], seed: int, epoch: int, buffer: int) -> np.ndarray:
@@ -46,8 +51,29 @@ class StreamSampler(EpochSampler):
         self.counts, self.buffer = list(counts), buffer
         super().__init__(int(sum(counts)), seed)
 
-    def _permutation(self, epoch: int) -> list[int]:
-        return stream_order(self.counts, self.seed, epoch, self.buffer).tolist()
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return stream_order(self.counts, self.seed, epoch, self.buffer)
+
+    def digest(self) -> str:
+        """What the stream depends on besides (seed, epoch): the samples per shard and the buffer (and,
+        for buckets, each sample's bucket and the batch size), hashed."""
+        h = hashlib.sha256(np.asarray(self.counts, dtype=np.int64).tobytes())
+        h.update(str(self.buffer).encode())
+        return h.hexdigest()[:16]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "stream": self.digest()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore (epoch, offset); ``ValueError`` when the checkpoint's stream differs (shards added or
+        removed, ``data.shuffle_buffer``, ``data.buckets`` or ``train.batch_size`` changed): the samples
+        after the resume would not be the ones the run would have seen."""
+        saved = state.get("stream")
+        if saved is not None and saved != self.digest():
+            raise ValueError("data: the checkpoint's sample stream differs from this run's (the shards, "
+                             "data.shuffle_buffer, data.buckets or train.batch_size changed since it was written); "
+                             "resume with the same data, or start a new run")
+        super().load_state_dict(state)
 
 
 def sampler_for(data, seed: int, buffer: int, batch_size: int) -> EpochSampler:
@@ -63,7 +89,7 @@ def sampler_for(data, seed: int, buffer: int, batch_size: int) -> EpochSampler:
     return StreamSampler(counts, seed, buffer)
 
 
-class BucketSampler(EpochSampler):
+class BucketSampler(StreamSampler):
     """Aspect-ratio buckets over a :func:`stream_order`: walking the epoch's order, each sample joins its
     bucket's pending list (``bucket_of``: bucket per position), and a bucket that reaches ``batch_size``
     emits a global micro-batch, so every micro-batch is of one bucket and the batches interleave in
@@ -72,11 +98,15 @@ class BucketSampler(EpochSampler):
     ``batch_size``. State (epoch, offset) as the base class."""
 
     def __init__(self, counts: list[int], bucket_of: np.ndarray, seed: int, buffer: int, batch_size: int):
-        self.counts, self.buffer, self.batch_size = list(counts), buffer, batch_size
-        self.bucket_of, self.dropped = np.asarray(bucket_of), {}
-        super().__init__(int(sum(counts)), seed)
+        self.batch_size, self.bucket_of, self.dropped = batch_size, np.asarray(bucket_of), {}
+        super().__init__(counts, seed, buffer)
 
-    def _permutation(self, epoch: int) -> list[int]:
+    def digest(self) -> str:
+        h = hashlib.sha256((super().digest() + str(self.batch_size)).encode())
+        h.update(np.asarray(self.bucket_of, dtype=np.int64).tobytes())
+        return h.hexdigest()[:16]
+
+    def _permutation(self, epoch: int) -> np.ndarray:
         pending: dict[int, list[int]] = {}
         out: list[int] = []
         for i in stream_order(self.counts, self.seed, epoch, self.buffer).tolist():
@@ -88,7 +118,9 @@ class BucketSampler(EpochSampler):
         self.dropped[epoch] = sum(len(g) for g in pending.values())
         if not out:
             raise ValueError(f"data.buckets: no bucket holds a full batch of {self.batch_size} samples")
-        return out
+        log.info("data: epoch %d in buckets: %d batches of %d, %d samples left over (each bucket's last partial "
+                 "batch)", epoch, len(out) // self.batch_size, self.batch_size, self.dropped[epoch])
+        return np.asarray(out, dtype=np.int64)
 
     def next(self, batch_size: int) -> list[int]:
         if batch_size != self.batch_size:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.data.feed import BatchFeed
-from pretrain.data.shards import build_index, list_shards
+from pretrain.data.shards import BadSample, build_index, list_shards
 from pretrain.data.stream import StreamSampler, sampler_for, stream_order
 from pretrain.runtime.runtime import Runtime
 from pretrain.text_encoder import NoTextEmbeds
@@ -109,7 +109,8 @@ def test_workers_read_what_one_process_reads(tar_folder, tmp_path):
         batches = [feed.next() for _ in range(5)]
         assert all(b.positions == list(range(4, 12)) for b in batches)
         got.append(([b.keys for b in batches], torch.cat([b.images for b in batches])))
-        assert feed.sampler.state_dict() == {"epoch": 0, "offset": 80}  # read-ahead is not counted
+        state = feed.sampler.state_dict()
+        assert (state["epoch"], state["offset"]) == (0, 80)  # what was read ahead is not counted
     assert got[0][0] == got[1][0] and torch.equal(got[0][1], got[1][1])
 
 
@@ -228,3 +229,65 @@ def test_a_share_with_no_usable_sample_trains_a_null_sample_at_weight_zero():
     fed = Fed(None, None, None, [], [], [], skipped=[("a.tar", "k", "corrupt image")], shape=(16, 24))
     x0, embeds, weight = _inputs(fed, PatchifyCodec(2), null, "cpu")
     assert x0.shape == (1, 12, 8, 12) and not x0.any() and embeds is null and weight == 0.0
+
+
+@pytest.mark.parametrize("key,reason", [("s000060", "corrupt image"), ("s000061", "missing caption"),
+                                        ("s000062", "image too large"), ("s000063", "no image")])
+def test_each_hostile_sample_is_refused_with_its_shard_key_and_reason(tars, tmp_path, key, reason):
+    folder = tars / "hostile_each"
+    if not folder.exists():
+        hostile_set(folder, n=400, per_shard=50)
+    from pretrain.data.sharded_set import ShardSet
+    from pretrain.data.shards import ParquetColumns
+
+    index = build_index(list_shards(folder), tmp_path)
+    train = ShardSet(index, np.arange(len(index)), (16, 16), NoTextEmbeds(), ParquetColumns(), 89_478_485)
+    j = index.key.index(key)
+    with pytest.raises(BadSample) as e:
+        train.get(j)
+    assert (e.value.shard, e.value.key, e.value.reason.split(" (")[0]) == ("shard-000001.tar", key, reason)
+    neighbour = train.get(j + 4)  # the samples around it read as usual
+    assert neighbour[0].shape == (3, 16, 16)
+
+
+def test_a_tar_cut_at_a_header_is_seen_and_its_last_sample_dropped(tmp_path):
+    """tarfile ends quietly when a tar is cut at (or inside) a header: the missing end-of-archive
+    marker gives it away, and the last sample read (which may have lost members) is dropped."""
+    import tarfile
+
+    from pretrain.data.shards import write_tar_shards
+    from tests.shard_sets import emoji_samples
+
+    (path,) = write_tar_shards(emoji_samples(6), tmp_path / "t", 100)
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+    third_caption = [m for m in members if m.name == "s000002.txt"][0]
+    raw = path.read_bytes()
+    for cut in (third_caption.offset, third_caption.offset + 100):  # at the header, inside it
+        path.write_bytes(raw[:cut])
+        (tmp_path / f"index{cut}").mkdir()
+        index = build_index([path], tmp_path / f"index{cut}")
+        assert index.key == ["s000000", "s000001"] and index.truncated == {path.name: 2}
+
+
+def test_a_json_caption_that_is_not_an_object_is_a_missing_caption(tmp_path):
+    import webdataset as wds
+
+    from pretrain.data.shards import ParquetColumns, ShardReader
+    from tests.shard_sets import emoji_samples
+
+    (key, png, _), = list(emoji_samples(1))
+    with wds.ShardWriter(str(tmp_path / "j-%06d.tar"), maxcount=10, verbose=0) as sink:
+        sink.write({"__key__": key, "png": png, "json": b"[1, 2]"})
+    reader = ShardReader(build_index(list_shards(tmp_path), tmp_path), ParquetColumns())
+    with pytest.raises(BadSample, match="missing caption"):
+        reader.read(0)
+
+
+def test_resuming_on_another_stream_is_refused(tar_folder, tmp_path):
+    train, _ = build_datasets(DataConfig(source="shards", path=str(tar_folder), size=16, cache_dir=str(tmp_path)),
+                              NoTextEmbeds())
+    state = sampler_for(train, 0, 100, 16).state_dict()
+    sampler_for(train, 0, 100, 16).load_state_dict(state)  # the same stream resumes
+    with pytest.raises(ValueError, match="data.shuffle_buffer"):
+        sampler_for(train, 0, 50, 16).load_state_dict(state)
