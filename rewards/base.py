@@ -26,8 +26,8 @@ from pretrain.registry import Registry, import_path
 from rewards.specs import RewardSpec, is_import_path, parse_reward_spec, parse_reward_specs
 
 __all__ = ["RewardModel", "RewardSpec", "REGISTRY", "register", "known_rewards", "check_reward_weights", "groupwise_rewards",
-           "build_reward", "build_from_spec", "resolve_factory", "parse_reward_spec", "parse_reward_specs", "weighted_sum",
-           "CompositeReward", "builtin_modules"]
+           "build_reward", "differentiable_reward", "build_from_spec", "resolve_factory", "parse_reward_spec",
+           "parse_reward_specs", "weighted_sum", "CompositeReward", "builtin_modules"]
 
 
 class RewardModel(Protocol):
@@ -117,6 +117,20 @@ def build_reward(name: str, **params) -> RewardModel:
     for an unknown name, an import error, a missing attribute or parameters the factory does not
     accept."""
     return build_from_spec(RewardSpec(name, 1.0, params))
+
+
+def differentiable_reward(spec: RewardSpec, key: str = "reward") -> Callable[[torch.Tensor, list[str]], torch.Tensor]:
+    """The reward of ``spec`` as ``score(images, prompts) -> float32 [B]``, differentiable in ``images``
+    (float ``[B, 3, H, W]`` in [0, 1]), for reward-gradient methods. A reward declares itself
+    differentiable with the class attribute ``differentiable = True`` and a ``score(images, prompts)``
+    method that keeps the graph (its ``__call__`` is that under ``no_grad``). ``ValueError`` naming
+    ``key.<name>`` for a reward that is not, listing those that are."""
+    model = build_from_spec(spec, key)
+    if not getattr(model, "differentiable", False) or not callable(getattr(model, "score", None)):
+        known = sorted(n for n in REGISTRY if getattr(REGISTRY[n], "differentiable", False))
+        raise ValueError(f"{key}.{spec.name}: not a differentiable reward (no gradient to the images); "
+                         f"differentiable: {known} or a class of yours with differentiable = True and score()")
+    return model.score
 
 
 def build_from_spec(spec: RewardSpec, key: str = "rewards") -> RewardModel:

@@ -190,14 +190,21 @@ class LearnedClip:
         """Record in ``truncation`` how many of the call's ``prompts`` are longer than the limit."""
         self.truncation.check(prompts, self.text.token_counts(list(prompts)))
 
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+    differentiable = True
+
+    def score(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """The score float32 ``[B]`` on the reward's device, differentiable in ``images`` (the weights
+        are frozen): what a reward-gradient method back-propagates."""
         check_images(images, prompts, "learned_clip")
         self.count_truncated(prompts)
         img = self.net.image_embeds(images.to(self.device))
         txt = self.net.text_embeds(self.text(list(prompts)).to(self.device))
         cos = (img * txt).sum(-1)
-        return (cos * self.net.scale() if self.logit else cos).float().cpu()
+        return (cos * self.net.scale() if self.logit else cos).float()
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            return self.score(images, prompts).cpu()
 
 
 CAPTIONS = "captions.txt"

@@ -64,6 +64,7 @@ class LearnedJudge:
     missing folder or file."""
 
     reward_name = "learned_judge"
+    differentiable = True
 
     def __init__(self, path: str, device: str = "cpu"):
         self.net = load_learned_judge(path, device)

@@ -79,7 +79,7 @@ def test_a_video_family_pretrains_from_clip_shards(tmp_path):
     from pretrain.config import load_config
     from pretrain.trainer import PretrainConfig, train
 
-    video_set(tmp_path / "clips", n=96, frames=8)
+    video_set(tmp_path / "clips", n=48, frames=8)
     cfg = load_config(PretrainConfig, ROOT / "configs/pretrain/moving_emoji_tiny.yaml",
                       [f"run_dir={tmp_path / 'run'}", "data.source=shards", f"data.path={tmp_path / 'clips'}",
                        "data.frames=4", "data.frame_stride=2", "data.limit=null", "train.steps=3", "eval.every=3",
@@ -117,7 +117,7 @@ def test_a_video_cache_trains_what_the_clips_train(tmp_path):
     from pretrain.data.cache_stage import CacheConfig, cache
     from pretrain.trainer import PretrainConfig, train
 
-    video_set(tmp_path / "clips", n=64, frames=8)
+    video_set(tmp_path / "clips", n=32, frames=8)
     data = [f"data.path={tmp_path / 'clips'}", "data.source=shards", "data.frames=4", "data.frame_stride=2",
             "data.size=16"]
     folder = cache(load_config(CacheConfig, None, [f"run_dir={tmp_path}", *data, "codec.name=video_patchify",

@@ -6,7 +6,7 @@ inside functions alike: a lazy import is still a dependency). The rules, from th
 - ``pretrain`` <- ``rollout`` <- ``posttrain``; ``rewards`` may import ``pretrain``'s leaf utilities (modules
   that import nothing of the project) and nothing else of ours; ``pretrain`` imports no reward.
 - Inside ``posttrain``: ``objectives`` (the math) <- ``eval`` <- ``base`` <- the stages (``grpo``, ``dpo``,
-  ``midtrain``, ``curate``, which import no other stage) <- ``stages`` (the table) <- ``tools`` and
+  ``midtrain``, ``curate``, ``reward_gradient``, which import no other stage) <- ``stages`` (the table) <- ``tools`` and
   ``pipeline`` <- ``cli``.
 
 Run alone: ``python -m pytest tests/unit/test_layout.py -q``; ``python tests/unit/test_layout.py`` prints the
@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "rollout", "rewards", "posttrain")
 #: posttrain's layers, lowest first: a module may import its own layer or one below.
 POSTTRAIN_LAYERS = {"objectives": 0, "eval": 1, "base": 2, "grpo": 3, "dpo": 3, "midtrain": 3, "curate": 3,
-                    "stages": 4, "tools": 5, "pipeline": 5, "cli": 6, "__main__": 7}
-STAGE_FOLDERS = {"grpo", "dpo", "midtrain", "curate"}
+                    "reward_gradient": 3, "stages": 4, "tools": 5, "pipeline": 5, "cli": 6, "__main__": 7}
+STAGE_FOLDERS = {"grpo", "dpo", "midtrain", "curate", "reward_gradient"}
 
 
 def module_name(path: Path) -> str:
