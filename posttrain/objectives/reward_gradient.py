@@ -41,7 +41,8 @@ class Chain:
     float32 like ``x``); ``sigmas``: float ``[N + 1]`` from the first sigma down to 0; ``noise``: the
     initial state ``[B, ...]`` (already scaled to the first sigma); ``decode(latents) -> images`` float
     ``[B, 3, H, W]`` in [0, 1] (differentiable); ``reward(images) -> [B]`` float32, differentiable in the
-    images; ``checkpoint``: recompute step and decoder activations in backward."""
+    images; ``checkpoint``: recompute step and decoder activations in backward; ``base_velocity``: the
+    reference model's velocity like ``velocity`` (Adjoint Matching; None for the others)."""
 
     velocity: VelocityFn
     sigmas: torch.Tensor
@@ -49,6 +50,7 @@ class Chain:
     decode: Callable[[torch.Tensor], torch.Tensor]
     reward: Callable[[torch.Tensor], torch.Tensor]
     checkpoint: bool = False
+    base_velocity: VelocityFn | None = None
 
     def step(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """Euler step i (sigma_i -> sigma_{i+1}), checkpointed when asked and gradients are on."""

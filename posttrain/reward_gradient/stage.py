@@ -1,13 +1,16 @@
 """`posttrain reward_gradient`: fine-tune an export by back-propagating a differentiable reward through
-its own sampling chain (DRaFT-K, DRaFT-LV, ReFL, AlignProp: :mod:`posttrain.objectives.reward_gradient`).
+its own sampling chain (DRaFT-K, DRaFT-LV, ReFL, AlignProp: :mod:`posttrain.objectives.reward_gradient`),
+or by Adjoint Matching's regression onto the lean adjoint (:mod:`posttrain.objectives.adjoint_matching`).
 
 A step: ``train.grad_accum`` micro-batches of ``train.batch_size`` prompts from the data's train split
 (every rank draws the same, as midtraining), each sampled from seeded noise (keyed by (seed, step,
 sample index)) with the family's Euler ODE at ``sampling.num_inference_steps`` and CFG
 ``sampling.guidance_scale``, decoded by the export's codec and scored by ``reward`` (one differentiable
 reward: :func:`rewards.base.differentiable_reward`); the method decides which steps carry the gradient.
-The policy is LoRA or full (``policy``). None of these methods has a KL term to the start: DRaFT and
-AlignProp rely on LoRA, few steps and early stopping, ReFL on a small learning rate; the ``guard`` block
+The policy is LoRA or full (``policy``). None of the back-propagating methods has a KL term to the start:
+DRaFT and AlignProp rely on LoRA, few steps and early stopping, ReFL on a small learning rate; Adjoint
+Matching's optimum is the base distribution tilted by exp(``reward_scale`` r), its KL-regularised
+target, and it reads the start's velocity (LoRA: adapters off; full: a frozen copy). The ``guard`` block
 (held-out flow-matching loss, independent judges) watches for the reward hacking they are prone to.
 ``method.checkpoint`` recomputes every gradient-carrying step's and the decoder's activations in the
 backward pass (AlignProp's memory saving; any method).
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -25,6 +28,7 @@ from posttrain.base.guard import Guard
 from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage, StageRanks
 from posttrain.base.stage_config import StageConfig
+from posttrain.objectives.adjoint_matching import adjoint_matching
 from posttrain.objectives.reward_gradient import Chain, alignprop, draft_k, draft_lv, refl
 from pretrain.config import require_positive
 from pretrain.data.dataset import EpochSampler, require_in_memory
@@ -37,26 +41,38 @@ from pretrain.seeding import generator_for, randn_per_sample
 from rewards.base import differentiable_reward
 from rewards.specs import parse_reward_specs
 
-#: method name -> ``fn(chain, method config, generator) -> (loss, metrics)``; add yours with ``register``.
+@dataclass(frozen=True)
+class Method:
+    """A registered method: ``run(chain, method config, generator) -> (loss, metrics)``;
+    ``needs_reference``: it reads the start's velocity (``chain.base_velocity``)."""
+
+    run: Callable
+    needs_reference: bool = False
+
+
+#: method name -> :class:`Method`; add yours with ``METHODS.register(name)(Method(...))``.
 METHODS = Registry("reward-gradient method", {
-    "draft_k": lambda chain, m, g: draft_k(chain, m.k),
-    "draft_lv": lambda chain, m, g: draft_lv(chain, m.n_noise, g),
-    "refl": lambda chain, m, g: refl(chain, m.refl_last, g),
-    "alignprop": lambda chain, m, g: alignprop(chain, m.k, g),
+    "draft_k": Method(lambda chain, m, g: draft_k(chain, m.k)),
+    "draft_lv": Method(lambda chain, m, g: draft_lv(chain, m.n_noise, g)),
+    "refl": Method(lambda chain, m, g: refl(chain, m.refl_last, g)),
+    "alignprop": Method(lambda chain, m, g: alignprop(chain, m.k, g)),
+    "adjoint_matching": Method(lambda chain, m, g: adjoint_matching(chain, m.k, m.reward_scale, g), True),
 }, key="method.name")
 
 
 @dataclass
 class MethodConfig:
     """``name``: a :data:`METHODS` entry; ``k``: steps carrying the gradient (DRaFT-K; AlignProp's
-    largest draw); ``n_noise``: DRaFT-LV's re-noisings; ``refl_last``: ReFL draws its step from the
-    last ``refl_last``; ``checkpoint``: recompute activations in backward (less memory, ~one more
-    forward per gradient step)."""
+    largest draw; Adjoint Matching's timesteps per loss); ``n_noise``: DRaFT-LV's re-noisings;
+    ``refl_last``: ReFL draws its step from the last ``refl_last``; ``reward_scale``: Adjoint Matching's
+    lambda (the target is p_base exp(lambda r)); ``checkpoint``: recompute activations in backward (less
+    memory, ~one more forward per gradient step)."""
 
     name: str = "draft_k"
     k: int = 1
     n_noise: int = 2
     refl_last: int = 4
+    reward_scale: float = 1.0
     checkpoint: bool = False
 
     def validate(self, prefix: str = "") -> None:
@@ -112,7 +128,8 @@ class RewardGradientRun(PolicyRun):
             cfg.parallel, cfg.train.batch_size, "the global micro-batch of prompts; each rank samples its share",
             Path(cfg.run_dir) / "flight_recorder")
         self.st = st = PolicyStage.setup(cfg, "reward_gradient")
-        st.policy.frozen_reference = None  # no KL term: nothing to compare against
+        if not METHODS.get(cfg.method.name, "method.name").needs_reference:
+            st.policy.frozen_reference = None  # the method never reads the start's velocity
         self.score = differentiable_reward(cfg.reward_spec())
         ranks.shard(st.model, None, cfg.parallel, False, cfg.train.low_precision)
         self.prompts = EpochSampler(len(st.train_set), cfg.train.seed)
@@ -148,8 +165,12 @@ class RewardGradientRun(PolicyRun):
             with self.rt.autocast():
                 return guided_velocity(model, x, s, embeds, st.null, cfg.sampling.guidance_scale).float()
 
+        def base_velocity(x, s):
+            with st.policy.reference() as reference, self.rt.autocast():
+                return guided_velocity(reference, x, s, embeds, st.null, cfg.sampling.guidance_scale).float()
+
         return Chain(velocity, sigmas, noise, st.codec.decode, lambda images: self.score(images, captions),
-                     cfg.method.checkpoint), captions
+                     cfg.method.checkpoint, base_velocity), captions
 
     def train_step(self) -> dict:
         """One optimizer step: the method's loss (-reward) on ``train.grad_accum`` micro-batches."""
@@ -163,7 +184,7 @@ class RewardGradientRun(PolicyRun):
             idx = self.prompts.next(b)[lo:hi]
             chain, _ = self.chain(model, idx, micro)
             g = generator_for(cfg.train.seed, "window", self.rt.step, micro)  # the method's own draws
-            loss, stats = method(chain, cfg.method, g)
+            loss, stats = method.run(chain, cfg.method, g)
             acc.backward(loss, value=stats["reward"], stats={k: v for k, v in stats.items() if k != "reward"})
             metrics = acc.end_micro_batch(None, self.ranks.mean)
         metrics["reward"] = metrics.pop("loss")  # the logged value is the batch's mean reward

@@ -87,3 +87,25 @@ def test_a_reward_without_gradient_is_refused_at_start(tiny_export, tmp_path):
                                                                       "reward.jpeg_compressibility={}"]))
     with pytest.raises(ConfigError, match="reward: exactly one differentiable reward"):
         load_config(RewardGradientConfig, shipped, ["~reward"])
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_adjoint_matching_starts_at_zero_control_and_reads_the_start(tiny_export, judge, tmp_path, lora_rank):
+    """Before any update the policy is the start (LoRA: B = 0; full: the frozen copy equals it), so the
+    control u = 2 (v_ft - v_base) / sigma is 0: with reward_scale 0 the loss is exactly 0, with a reward
+    it is mean sigma^2 |a|^2 > 0 and its gradient reaches the trained weights."""
+    from posttrain.objectives.adjoint_matching import adjoint_matching
+    from posttrain.reward_gradient.stage import RewardGradientRun
+
+    run = RewardGradientRun(config(tmp_path / str(lora_rank), tiny_export, judge, "method.name=adjoint_matching",
+                                   f"policy.lora_rank={lora_rank}"))
+    chain, _ = run.chain(run.st.model, list(range(4)), 0)
+    x, s = chain.noise, chain.sigmas[2].expand(4)
+    with torch.no_grad():
+        assert torch.equal(chain.velocity(x, s), chain.base_velocity(x, s))
+    zero, _ = adjoint_matching(chain, 3, 0.0, torch.Generator().manual_seed(0))
+    assert zero.item() == 0.0
+    loss, _ = adjoint_matching(chain, 3, 10.0, torch.Generator().manual_seed(0))
+    loss.backward()
+    grads = [p.grad for p in run.st.model.parameters() if p.requires_grad and p.grad is not None]
+    assert loss.item() > 0 and grads and sum(float(g.abs().sum()) for g in grads) > 0
