@@ -150,7 +150,7 @@ def train_step(model, rt: Runtime, feed: BatchFeed, codec, *, null, cfg: Pretrai
         metrics = acc.end_micro_batch(buckets, ranks.mean if ranks else None)
     seconds = time.perf_counter() - t0
     if skipped:
-        log.warning("step %d: skipped %d bad sample(s): %s", step, len(skipped),
+        log.warning("step %d: skipped %d bad sample(s): %s", step + 1, len(skipped),
                     "; ".join(f"{s}:{k} ({r})" for s, k, r in skipped[:5]))
     n_skipped = round(ranks.mean([float(len(skipped))])[0] * ranks.dp_size) if ranks else len(skipped)
     metrics.update(samples_per_s=b * accum / seconds, data_wait_s=wait, data_wait_share=wait / seconds,
