@@ -139,7 +139,7 @@ class RewardGradientRun(PolicyRun):
         m = cfg.method
         self.logger.write(f"reward gradient: {m.name} (k {m.k}, checkpoint {m.checkpoint}) through "
                           f"{cfg.sampling.num_inference_steps} Euler steps, CFG {cfg.sampling.guidance_scale}; reward "
-                          f"{cfg.reward_spec().name}; {ranks.layout()}"
+                          f"{next(iter(cfg.reward))}; {ranks.layout()}"
                           + (f"; resumed from {resumed}" if resumed else ""))
         if self.rt.step == 0:
             self.logger.log(0, {"heldout_reward": self.heldout_reward(st.model)}, advance=False)
@@ -149,7 +149,7 @@ class RewardGradientRun(PolicyRun):
     def step(self) -> int:
         return self.rt.step
 
-    def chain(self, model, idx: list[int], micro: int) -> tuple[Chain, list[str]]:
+    def chain(self, model, idx: list[int], micro: int) -> Chain:
         """The sampling problem of prompts ``idx`` (this rank's share) of micro-batch ``micro``."""
         st, cfg = self.st, self.cfg
         _, embeds, captions = st.train_set.batch(idx)
@@ -170,7 +170,7 @@ class RewardGradientRun(PolicyRun):
                 return guided_velocity(reference, x, s, embeds, st.null, cfg.sampling.guidance_scale).float()
 
         return Chain(velocity, sigmas, noise, st.codec.decode, lambda images: self.score(images, captions),
-                     cfg.method.checkpoint, base_velocity), captions
+                     cfg.method.checkpoint, base_velocity)
 
     def train_step(self) -> dict:
         """One optimizer step: the method's loss (-reward) on ``train.grad_accum`` micro-batches."""
@@ -182,7 +182,7 @@ class RewardGradientRun(PolicyRun):
         model.train()
         for micro in range(cfg.train.grad_accum):
             idx = self.prompts.next(b)[lo:hi]
-            chain, _ = self.chain(model, idx, micro)
+            chain = self.chain(model, idx, micro)
             g = generator_for(cfg.train.seed, "window", self.rt.step, micro)  # the method's own draws
             loss, stats = method.run(chain, cfg.method, g)
             acc.backward(loss, value=stats["reward"], stats={k: v for k, v in stats.items() if k != "reward"})

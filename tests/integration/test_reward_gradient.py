@@ -99,7 +99,7 @@ def test_adjoint_matching_starts_at_zero_control_and_reads_the_start(tiny_export
 
     run = RewardGradientRun(config(tmp_path / str(lora_rank), tiny_export, judge, "method.name=adjoint_matching",
                                    f"policy.lora_rank={lora_rank}"))
-    chain, _ = run.chain(run.st.model, list(range(4)), 0)
+    chain = run.chain(run.st.model, list(range(4)), 0)
     x, s = chain.noise, chain.sigmas[2].expand(4)
     with torch.no_grad():
         assert torch.equal(chain.velocity(x, s), chain.base_velocity(x, s))
