@@ -8,7 +8,9 @@ sample index)) with the family's Euler ODE at ``sampling.num_inference_steps`` a
 ``sampling.guidance_scale``, decoded by the export's codec and scored by ``reward`` (one differentiable
 reward: :func:`rewards.base.differentiable_reward`); the method decides which steps carry the gradient.
 The policy is LoRA or full (``policy``). None of the back-propagating methods has a KL term to the start:
-DRaFT and AlignProp rely on LoRA, few steps and early stopping, ReFL on a small learning rate; Adjoint
+DRaFT and AlignProp rely on LoRA, few steps and early stopping, ReFL on a small learning rate and on the
+pre-training loss (``data_loss``: ImageReward, Xu et al. 2023, Algorithm 1 alternates the ReFL loss with
+the pre-training loss; here the two are summed, any method may use it); Adjoint
 Matching's optimum is the base distribution tilted by exp(``reward_scale`` r), its KL-regularised
 target, and it reads the start's velocity (LoRA: adapters off; full: a frozen copy). The ``guard`` block
 (held-out flow-matching loss, independent judges) watches for the reward hacking they are prone to.
@@ -33,6 +35,7 @@ from posttrain.objectives.reward_gradient import Chain, alignprop, draft_k, draf
 from pretrain.config import require_positive
 from pretrain.data.dataset import EpochSampler, require_in_memory
 from pretrain.guidance import guided_velocity
+from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas, pretrain_loss
 from pretrain.registry import Registry
 from pretrain.runtime.accumulate import Accumulation
 from pretrain.runtime.loop import run_stage
@@ -94,16 +97,38 @@ class SamplingConfig:
 
 
 @dataclass
+class DataLossConfig:
+    """The pre-training loss on the train split's own images (ReFL's regulariser, ImageReward, Xu et al.
+    2023, arXiv 2304.05977, Algorithm 1): ``weight`` (0: off) times the export's flow-matching objective on
+    the micro-batch's prompts' images at sigmas drawn from logit-normal(``logit_mean``, ``logit_std``) with
+    ``shift``, always conditioned (no prompt dropout). It pulls the policy back to the data's images, where
+    a learned reward's adversarial textures are absent."""
+
+    weight: float = 0.0
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float = 1.0
+
+    def validate(self, prefix: str = "") -> None:
+        if self.weight < 0:
+            raise ValueError(f"{prefix}weight: must be >= 0, got {self.weight}")
+
+    def flow(self, objective: str) -> FlowConfig:
+        return FlowConfig(self.logit_mean, self.logit_std, self.shift, cond_dropout=0.0, objective=objective)
+
+
+@dataclass
 class RewardGradientConfig(StageConfig):
     """`posttrain reward_gradient` config (the shared blocks: :class:`posttrain.base.stage_config.StageConfig`):
     ``reward``: ``{name: {param: value}}``, exactly one differentiable reward; ``method``:
-    :class:`MethodConfig`; ``sampling``: :class:`SamplingConfig`. A step is one optimizer step over
+    :class:`MethodConfig`; ``sampling``: :class:`SamplingConfig`; ``data_loss``: :class:`DataLossConfig`. A step is one optimizer step over
     ``train.grad_accum`` micro-batches of ``train.batch_size`` prompts. Outputs: ``<run_dir>/reward_gradient/``."""
 
     run_dir: str = "runs/reward_gradient"
     reward: dict[str, Any] = field(default_factory=dict)
     method: MethodConfig = field(default_factory=MethodConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data_loss: DataLossConfig = field(default_factory=DataLossConfig)
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
@@ -185,10 +210,26 @@ class RewardGradientRun(PolicyRun):
             chain = self.chain(model, idx, micro)
             g = generator_for(cfg.train.seed, "window", self.rt.step, micro)  # the method's own draws
             loss, stats = method.run(chain, cfg.method, g)
+            if cfg.data_loss.weight:
+                data_loss = self.data_loss(model, idx, micro)
+                loss, stats["data_loss"] = loss + cfg.data_loss.weight * data_loss, data_loss.item()
             acc.backward(loss, value=stats["reward"], stats={k: v for k, v in stats.items() if k != "reward"})
             metrics = acc.end_micro_batch(None, self.ranks.mean)
         metrics["reward"] = metrics.pop("loss")  # the logged value is the batch's mean reward
         return metrics
+
+    def data_loss(self, model, idx: list[int], micro: int) -> torch.Tensor:
+        """The pre-training loss (:class:`DataLossConfig`) on the train images of prompts ``idx``, its
+        noise and sigma drawn per sample (stream "train", keyed by step and index in the step)."""
+        st = self.st
+        flow = self.cfg.data_loss.flow(st.meta.get("objective", "rectified_flow"))
+        images, embeds, _ = st.train_set.batch(idx)
+        x0 = st.codec.encode(images.to(st.device))
+        keys = [micro * self.cfg.train.batch_size + i for i in range(len(idx))]
+        noise, sigma, drop = draw_training_noise(x0, self.cfg.train.seed, self.rt.step, keys, flow, "train",
+                                                 objective_sigmas(model, flow, "data_loss"))
+        with self.rt.autocast():
+            return pretrain_loss(model, x0, embeds.to(st.device), st.null, noise, sigma, drop, flow.objective)
 
     @torch.no_grad()
     def heldout_reward(self, model) -> float:

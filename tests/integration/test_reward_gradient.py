@@ -109,3 +109,27 @@ def test_adjoint_matching_starts_at_zero_control_and_reads_the_start(tiny_export
     loss.backward()
     grads = [p.grad for p in run.st.model.parameters() if p.requires_grad and p.grad is not None]
     assert loss.item() > 0 and grads and sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_the_data_loss_is_the_flow_matching_loss_of_the_prompts_own_images(tiny_export, judge, tmp_path):
+    """``data_loss`` (ReFL's pre-training loss) of a step is the export's rectified-flow loss on the train
+    images of the very prompts the step samples, at the per-sample draws of (seed, "train", step, index),
+    without prompt dropout, and a step logs it."""
+    from posttrain.reward_gradient.stage import RewardGradientRun
+    from pretrain.flow import flow_matching_loss, interpolate
+    from pretrain.seeding import generator_for
+    from pretrain.schedule import sample_training_sigmas
+
+    run = RewardGradientRun(config(tmp_path, tiny_export, judge, "data_loss.weight=0.5", "train.batch_size=4"))
+    st, idx = run.st, [3, 0, 5, 1]
+    images, embeds, _ = st.train_set.batch(idx)
+    x0 = st.codec.encode(images)
+    gens = [generator_for(0, "train", 0, i) for i in range(4)]
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])
+    sigma = sample_training_sigmas(gens, 0.0, 1.0, 1.0)
+    with torch.no_grad():
+        want = flow_matching_loss(st.model(interpolate(x0, noise, sigma), sigma, embeds), x0, noise).mean()
+        got = run.data_loss(st.model, idx, 0)
+    assert abs(got.item() - want.item()) <= 1e-6 * max(1.0, want.item()) and want.item() > 0
+    metrics = run.train_step()
+    assert metrics["data_loss"] > 0
