@@ -34,9 +34,9 @@ def _stage(args) -> int:
         cfg.checkpoint.resume = True
     out = stage.train_fn()(cfg)
     if _rank() == 0:  # under torchrun every rank returns; rank 0 wrote the export
-        print(f"export: {out}")
-    folder = Path(cfg.run_dir) / args.command
-    if (folder / "metrics.jsonl").is_file():  # a training stage: its curves as report.md + PNG
+        print(f"{'reward model' if stage.writes == 'reward' else 'export'}: {out}")
+    folder = Path(cfg.run_dir or "") / args.command
+    if stage.writes != "reward" and (folder / "metrics.jsonl").is_file():  # a training stage: its curves
         from posttrain.eval.report import report_after_run
 
         report_after_run(folder)
@@ -166,17 +166,6 @@ def _serve_reward(args) -> int:
     return 0
 
 
-def _train_reward(args) -> int:
-    import json
-
-    from posttrain.tools.train_reward import TrainRewardConfig, train_reward
-    from pretrain.config import load_config
-
-    metrics = train_reward(load_config(TrainRewardConfig, args.config, args.overrides))
-    print(json.dumps(metrics, indent=2))
-    return 0
-
-
 def _report(args) -> int:
     from posttrain.eval.report import write_report
 
@@ -211,14 +200,14 @@ RANK0_PRINT_GRACE_S = 3.0  # seconds a rank other than 0 waits before exiting on
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
-    from posttrain.stages import STAGES, data_stages
+    from posttrain.stages import STAGES
 
     for name in [*STAGES, "pipeline"]:
         line = STAGES[name].help if name in STAGES else "chain stages, then evaluate"
         st = sub.add_parser(name, help=line + " from a YAML config")
         st.add_argument("config")
         st.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
-        if name not in data_stages():  # a data stage has no checkpoints (it reuses an identical earlier output)
+        if name not in STAGES or STAGES[name].writes == "export":  # data and reward stages have no checkpoints
             st.add_argument("--resume", action="store_const", const="yes", default=None,
                             help="continue from the latest complete checkpoint; exit 2 when there is none. "
                             f"{RESUME_AUTO}: continue if there is one, else start a new run")
@@ -271,11 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--max-inflight", type=_positive, default=2,
                     help="requests decoded and scored at once (default %(default)s)")
     sr.set_defaults(func=_serve_reward)
-    tr = sub.add_parser("train-reward", help="train a small reward model from a YAML config (learned_clip, or the "
-                        "learned_judge stand-in with objective: judge)")
-    tr.add_argument("config", help="YAML file (configs/reward/*.yaml)")
-    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=5")
-    tr.set_defaults(func=_train_reward)
     rp = sub.add_parser("report", help="report.md with PNG curves of every stage, the evaluation and its grids side by side")
     rp.add_argument("run_dir", help="a pipeline run folder (stage subfolders, eval/) or one stage's folder")
     rp.set_defaults(func=_report)

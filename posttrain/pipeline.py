@@ -9,7 +9,7 @@ from pathlib import Path
 
 from posttrain.eval.evaluate import EvalConfig, evaluate
 from pretrain.data.dataset import source_of_folder
-from posttrain.stages import data_stages, get_stage, has_checkpoints
+from posttrain.stages import STAGES, data_stages, get_stage, has_checkpoints, model_stages
 from pretrain.config import ConfigError, load_config, save_config
 
 
@@ -29,9 +29,10 @@ class StageConfig:
 @dataclass
 class PipelineConfig:
     """Stages run in order under ``run_dir`` (stage outputs in ``<run_dir>/<command>/``, so a stage's own
-    ``run_dir`` is replaced, and each command runs once); a stage gets ``model.pretrained`` = the export
-    of the last model stage before it (data stages such as ``curate`` write a dataset, not a model, and
-    pass the export through: a data stage first passes its own ``model.pretrained``). Every
+    ``run_dir`` is replaced, and each command runs once); a stage gets ``model.pretrained`` (its row's
+    ``source_key``: ``judge.generated_from`` for ``train-reward``) = the export of the last model stage
+    before it (data stages such as ``curate`` write a dataset and ``train-reward`` a reward model, not a
+    model export; they pass the export through: a data stage first passes its own ``model.pretrained``). Every
     stage config is loaded and validated before the first one trains (a ``data_from`` stage with its own
     data block; its folder is read when it starts). ``eval`` runs on the model stages' exports at the end,
     on the first stage's data (held-out prompts and guard images)."""
@@ -81,7 +82,7 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
             raise ConfigError(f"pipeline: stages.{i}.command: {e}") from e
         overrides = [*stage.overrides, f"run_dir={cfg.run_dir}"]
         if source is not None:
-            overrides.append(f"model.pretrained={source}")
+            overrides.append(f"{STAGES[stage.command].source_key}={source}")
         if resume and has_checkpoints(schema):
             overrides.append("checkpoint.resume=true")
         data = []
@@ -96,7 +97,7 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
         except ConfigError as e:
             raise ConfigError(f"pipeline: stages.{i} ({stage.command}): {e}") from e
         out.append(PlannedStage(stage, schema, train, overrides + data, loaded))
-        if stage.command not in data_stages():
+        if stage.command in model_stages():
             source = run / stage.command / "export"
         elif source is None and getattr(getattr(loaded, "model", None), "pretrained", None):
             source = loaded.model.pretrained  # a data stage first: the export it passes through
@@ -117,7 +118,7 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
     for i, planned in enumerate(stages):
         print(f"== stage {i}: {planned.stage.command} ({planned.stage.config})", flush=True)
         out = str(planned.train(planned.load()))
-        if planned.stage.command not in data_stages():
+        if planned.stage.command in model_stages():
             exports.append(out)
     results = None
     if cfg.evaluate:

@@ -20,16 +20,25 @@ class Stage:
     """One stage. ``config``: its Config dataclass (``module:Class``); ``run``: its stage object
     (:mod:`pretrain.runtime.loop`'s protocol: constructed from the config, then stepped), None for a
     stage that is one function call; ``train``: the function ``train(cfg) -> Path`` that runs it to the
-    end (the export folder; a data stage returns the export it was given); ``data``: it writes a dataset
-    (``<run_dir>/<command>/data``), not a model; ``sweep``: a post-training stage whose Run a sweep can
+    end (the export folder; a data stage returns the export it was given, a reward stage its reward
+    model's folder); ``writes``: "export" (a model the next stage continues from), "data" (a dataset,
+    ``<run_dir>/<command>/data``, that a later stage reads with ``data_from``) or "reward" (a reward model,
+    ``<run_dir>/<command>/model``, that a later stage names in its ``reward`` block); the next stage of a
+    pipeline continues from the last export before a data or reward stage; ``source_key``: the config
+    key a pipeline sets to that export; ``sweep``: a post-training stage whose Run a sweep can
     step (it has ``st``, a :class:`posttrain.base.stage.PolicyStage`, and ``rt``); ``help``: the CLI's line."""
 
     config: str
     train: str
     run: str | None = None
-    data: bool = False
+    writes: str = "export"
     sweep: bool = False
     help: str = ""
+    source_key: str = "model.pretrained"
+
+    @property
+    def data(self) -> bool:
+        return self.writes == "data"
 
     def schema(self) -> type:
         return import_path(self.config, "stage config")
@@ -59,10 +68,14 @@ STAGES = Registry("stage", {
                              "posttrain.reward_gradient.stage:train", "posttrain.reward_gradient.stage:RewardGradientRun",
                              sweep=True, help="reward-gradient fine-tuning (DRaFT-K, DRaFT-LV, ReFL, AlignProp) on a "
                              "differentiable reward"),
-    "curate": Stage("posttrain.curate.stage:CurateConfig", "posttrain.curate.stage:curate", data=True,
+    "curate": Stage("posttrain.curate.stage:CurateConfig", "posttrain.curate.stage:curate", writes="data",
                     help="score a dataset with rewards, filter, drop near-duplicates (a folder dataset and a report)"),
-    "cache": Stage("pretrain.data.cache_stage:CacheConfig", "pretrain.data.cache_stage:cache", data=True,
+    "cache": Stage("pretrain.data.cache_stage:CacheConfig", "pretrain.data.cache_stage:cache", writes="data",
                    help="encode a dataset once into latent + text-embedding shards (data.source: latent_cache)"),
+    "train-reward": Stage("posttrain.tools.train_reward:TrainRewardConfig", "posttrain.tools.train_reward:train_reward_stage",
+                          writes="reward", source_key="judge.generated_from",
+                          help="train a small reward model (learned_clip, or the learned_judge stand-in with "
+                          "objective: judge, sampling the export before it)"),
 }, key="command")
 
 
@@ -89,6 +102,12 @@ def data_stages() -> list[str]:
     """The stages that write a dataset, not a model (in a pipeline the next stage continues from the
     export before them, and a later stage reads their data with ``data_from``)."""
     return sorted(n for n in STAGES if STAGES[n].data)
+
+
+def model_stages() -> list[str]:
+    """The stages that write a model export (in a pipeline the next stage continues from it; data and
+    reward stages pass the export before them through)."""
+    return sorted(n for n in STAGES if STAGES[n].writes == "export")
 
 
 def load_stage_config(command: str, config: str, overrides: list[str]) -> tuple[Stage, object]:

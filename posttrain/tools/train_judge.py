@@ -90,7 +90,7 @@ def train_judge(cfg: TrainRewardConfig) -> dict:
     in ``out_dir/metrics.json``; the model folder under ``model``)."""
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.train.threads)
-    out = Path(cfg.out_dir)
+    out = cfg.folder()
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     jc = cfg.judge

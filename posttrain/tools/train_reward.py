@@ -6,7 +6,7 @@ image->text retrieval top-1 / top-5. ``objective: judge``: the ``learned_judge``
 (rewards/learned_judge.py) regressed on an exact judge's scores of rendered and generated images
 (:mod:`posttrain.tools.train_judge`); reports its agreement with the judge on held-out prompts.
 
-Outputs under ``out_dir``: ``model/`` (config.json + model.safetensors), ``metrics.jsonl`` (one object
+Outputs under ``out_dir`` (in a pipeline, ``<run_dir>/train-reward``): ``model/`` (config.json + model.safetensors), ``metrics.jsonl`` (one object
 per epoch), ``metrics.json`` (final), ``config.yaml`` (resolved).
 """
 
@@ -95,11 +95,13 @@ class JudgeTargetSection:
 
 @dataclass
 class TrainRewardConfig:
-    """``out_dir``: where the model folder and metrics go; ``objective``: a key of :data:`OBJECTIVES`;
+    """``out_dir``: where the model folder and metrics go; ``run_dir``: set by a pipeline, which puts them
+    in ``<run_dir>/train-reward`` instead (:meth:`folder`); ``objective``: a key of :data:`OBJECTIVES`;
     ``data``: the project's dataset config (``train_half`` picks a half of the train emoji); ``model``:
     the towers' architecture; ``judge``: the targets of ``objective: judge``."""
 
     out_dir: str = "runs/reward/learned_clip"
+    run_dir: str | None = None
     objective: str = "contrastive"
     data: DataConfig = field(default_factory=DataConfig)
     model: LearnedClipConfig = field(default_factory=LearnedClipConfig)
@@ -114,6 +116,10 @@ class TrainRewardConfig:
         require_positive(self.model, f"{prefix}model.", "image_size", "width", "embed_dim", "text_max_length")
         if self.model.width % 8:
             raise ValueError(f"{prefix}model.width: must be a multiple of 8 (GroupNorm groups), got {self.model.width}")
+
+    def folder(self) -> Path:
+        """Where the outputs go: ``<run_dir>/train-reward`` when ``run_dir`` is set, else ``out_dir``."""
+        return Path(self.run_dir) / "train-reward" if self.run_dir else Path(self.out_dir)
 
 
 @torch.no_grad()
@@ -191,6 +197,14 @@ def train_reward(cfg: TrainRewardConfig) -> dict:
     return getattr(importlib.import_module(module), name)(cfg)
 
 
+def train_reward_stage(cfg: TrainRewardConfig) -> Path:
+    """The ``train-reward`` stage (`posttrain train-reward`, or a pipeline's): :func:`train_reward`, its
+    final metrics printed as JSON; returns the reward model's folder (``<folder>/model``)."""
+    metrics = train_reward(cfg)
+    print(json.dumps(metrics, indent=2), flush=True)
+    return cfg.folder() / "model"
+
+
 def train_contrastive(cfg: TrainRewardConfig) -> dict:
     """``objective: contrastive``: train, evaluate and save; returns the final metrics (also written to
     ``out_dir/metrics.json``):
@@ -198,7 +212,7 @@ def train_contrastive(cfg: TrainRewardConfig) -> dict:
     ``seconds``, ``model`` (the saved folder)."""
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.train.threads)
-    out = Path(cfg.out_dir)
+    out = cfg.folder()
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     train, held = build_datasets(cfg.data, NoTextEmbeds())

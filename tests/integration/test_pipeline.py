@@ -109,3 +109,24 @@ def test_a_command_twice_is_refused_and_a_leading_data_stage_passes_its_export(t
     path.write_text(yaml.safe_dump(lead))
     planned = plan(load_config(PipelineConfig, path))
     assert "model.pretrained=/some/export" in planned[1].overrides
+
+
+def test_a_reward_stage_samples_the_export_before_it_and_passes_it_on(tmp_path):
+    """``train-reward`` in a pipeline: its ``judge.generated_from`` is the export before it, its model goes
+    to ``<run_dir>/train-reward/model``, and the stage after it continues from that same export."""
+    from posttrain.pipeline import PipelineConfig, plan
+    from pretrain.config import load_config
+
+    run = tmp_path / "run"
+    cfg = {"run_dir": str(run), "stages": [
+        {"command": "pretrain", "config": str(ROOT / "configs/pretrain/shapes_small.yaml")},
+        {"command": "train-reward", "config": str(ROOT / "configs/reward/shapes_judge.yaml")},
+        {"command": "reward_gradient", "config": str(ROOT / "configs/reward_gradient/shapes_draft.yaml"),
+         "overrides": [f"reward.learned_judge.path={run}/train-reward/model"]}]}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    planned = plan(load_config(PipelineConfig, path))
+    export = run / "pretrain" / "export"
+    assert planned[1].config.judge.generated_from == str(export)
+    assert planned[1].config.folder() == run / "train-reward"
+    assert planned[2].config.model.pretrained == str(export)
