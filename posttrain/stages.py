@@ -72,7 +72,8 @@ STAGES = Registry("stage", {
                     help="score a dataset with rewards, filter, drop near-duplicates (a folder dataset and a report)"),
     "cache": Stage("pretrain.data.cache_stage:CacheConfig", "pretrain.data.cache_stage:cache", writes="data",
                    help="encode a dataset once into latent + text-embedding shards (data.source: latent_cache)"),
-    "train-reward": Stage("posttrain.tools.train_reward:TrainRewardConfig", "posttrain.tools.train_reward:train_reward_stage",
+    "train-reward": Stage("posttrain.tools.train_reward:TrainRewardConfig",
+                          "posttrain.tools.train_reward:train_reward_stage",
                           writes="reward", source_key="judge.generated_from",
                           help="train a small reward model (learned_clip, or the learned_judge stand-in with "
                           "objective: judge, sampling the export before it)"),

@@ -121,8 +121,9 @@ class DataLossConfig:
 class RewardGradientConfig(StageConfig):
     """`posttrain reward_gradient` config (the shared blocks: :class:`posttrain.base.stage_config.StageConfig`):
     ``reward``: ``{name: {param: value}}``, exactly one differentiable reward; ``method``:
-    :class:`MethodConfig`; ``sampling``: :class:`SamplingConfig`; ``data_loss``: :class:`DataLossConfig`. A step is one optimizer step over
-    ``train.grad_accum`` micro-batches of ``train.batch_size`` prompts. Outputs: ``<run_dir>/reward_gradient/``."""
+    :class:`MethodConfig`; ``sampling``: :class:`SamplingConfig`; ``data_loss``: :class:`DataLossConfig`. A
+    step is one optimizer step over ``train.grad_accum`` micro-batches of ``train.batch_size`` prompts.
+    Outputs: ``<run_dir>/reward_gradient/``."""
 
     run_dir: str = "runs/reward_gradient"
     reward: dict[str, Any] = field(default_factory=dict)
@@ -225,7 +226,8 @@ class RewardGradientRun(PolicyRun):
         flow = self.cfg.data_loss.flow(st.meta.get("objective", "rectified_flow"))
         images, embeds, _ = st.train_set.batch(idx)
         x0 = st.codec.encode(images.to(st.device))
-        keys = [micro * self.cfg.train.batch_size + i for i in range(len(idx))]
+        lo = self.ranks.share(self.cfg.train.batch_size)[0] + micro * self.cfg.train.batch_size
+        keys = list(range(lo, lo + len(idx)))  # the step's global sample indices, as the chain's noise
         noise, sigma, drop = draw_training_noise(x0, self.cfg.train.seed, self.rt.step, keys, flow, "train",
                                                  objective_sigmas(model, flow, "data_loss"))
         with self.rt.autocast():

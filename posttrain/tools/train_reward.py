@@ -6,8 +6,9 @@ image->text retrieval top-1 / top-5. ``objective: judge``: the ``learned_judge``
 (rewards/learned_judge.py) regressed on an exact judge's scores of rendered and generated images
 (:mod:`posttrain.tools.train_judge`); reports its agreement with the judge on held-out prompts.
 
-Outputs under ``out_dir`` (in a pipeline, ``<run_dir>/train-reward``): ``model/`` (config.json + model.safetensors), ``metrics.jsonl`` (one object
-per epoch), ``metrics.json`` (final), ``config.yaml`` (resolved).
+Outputs under ``out_dir`` (in a pipeline, ``<run_dir>/train-reward``): ``model/`` (config.json +
+model.safetensors), ``metrics.jsonl`` (one object per epoch), ``metrics.json`` (final), ``config.yaml``
+(resolved).
 """
 
 from __future__ import annotations

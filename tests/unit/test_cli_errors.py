@@ -102,8 +102,8 @@ def test_resume_with_nothing_to_resume_exits_2_before_training(tmp_path, capsys)
 def test_an_out_of_range_pipeline_stage_names_the_stage_count():
     from posttrain.pipeline import PipelineConfig
 
-    with pytest.raises(ConfigError, match=r"^command line: 'stages.5.command=grpo': no stages.5: the pipeline has 2 "
-                                          r"stage\(s\) \(indices 0 to 1\)$"):
+    with pytest.raises(ConfigError, match=r"^command line: 'stages.5.command=grpo': no stages.5: the pipeline has 3 "
+                                          r"stage\(s\) \(indices 0 to 2\)$"):
         load_config(PipelineConfig, ROOT / "configs/quickstart.yaml", ["stages.5.command=grpo"])
 
 

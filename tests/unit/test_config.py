@@ -274,7 +274,7 @@ def test_command_line_override_indexes_a_list_of_stages():
     cfg = load_config(PipelineConfig, path, ["stages.1.overrides=[train.steps=1, rollout.group_size=4]"])
     assert cfg.stages[1].overrides == ["train.steps=1", "rollout.group_size=4"]
     assert cfg.stages[0].command == "pretrain" and cfg.stages[0].overrides == []  # the rest of the list is kept
-    with pytest.raises(ConfigError, match=r"'stages.5.overrides=.*': no stages.5: the pipeline has 2 stage"):
+    with pytest.raises(ConfigError, match=r"'stages.5.overrides=.*': no stages.5: the pipeline has 3 stage"):
         load_config(PipelineConfig, path, ["stages.5.overrides=[train.steps=1]"])
 
 
