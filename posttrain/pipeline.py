@@ -32,7 +32,8 @@ class PipelineConfig:
     ``run_dir`` is replaced, and each command runs once); a stage gets ``model.pretrained`` (its row's
     ``source_key``: ``judge.generated_from`` for ``train-reward``) = the export of the last model stage
     before it (data stages such as ``curate`` write a dataset and ``train-reward`` a reward model, not a
-    model export; they pass the export through: a data stage first passes its own ``model.pretrained``). Every
+    model export; they pass the export through: a data or reward stage first passes its own, at its
+    ``source_key``). Every
     stage config is loaded and validated before the first one trains (a ``data_from`` stage with its own
     data block; its folder is read when it starts). ``eval`` runs on the model stages' exports at the end,
     on the first stage's data (held-out prompts and guard images)."""
@@ -47,7 +48,8 @@ class PipelineConfig:
 @dataclass
 class PlannedStage:
     """One validated stage of a pipeline: its entry, schema, train function, the overrides it runs with
-    (``run_dir``, ``model.pretrained``, resume, and ``data_from``'s folder) and its config as validated."""
+    (``run_dir``, ``model.pretrained`` or its row's ``source_key``, resume, and ``data_from``'s folder) and
+    its config as validated."""
 
     stage: StageConfig
     schema: type
@@ -62,6 +64,13 @@ class PlannedStage:
         folder = self.overrides[-1].partition("=")[2]  # data.path=..., the last override
         source = f"data.source={source_of_folder(folder)}"
         return load_config(self.schema, self.stage.config, [*self.overrides[:-1], source, self.overrides[-1]])
+
+
+def dotted(config, key: str):
+    """The value at dotted ``key`` of a loaded config (None where a part is missing)."""
+    for part in key.split("."):
+        config = getattr(config, part, None)
+    return config
 
 
 def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
@@ -99,8 +108,8 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
         out.append(PlannedStage(stage, schema, train, overrides + data, loaded))
         if stage.command in model_stages():
             source = run / stage.command / "export"
-        elif source is None and getattr(getattr(loaded, "model", None), "pretrained", None):
-            source = loaded.model.pretrained  # a data stage first: the export it passes through
+        elif source is None and dotted(loaded, STAGES[stage.command].source_key):
+            source = dotted(loaded, STAGES[stage.command].source_key)  # a data or reward stage first: its export
     return out
 
 

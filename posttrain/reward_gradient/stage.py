@@ -20,6 +20,7 @@ backward pass (AlignProp's memory saving; any method).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -101,7 +102,8 @@ class DataLossConfig:
     """The pre-training loss on the train split's own images (ReFL's regulariser, ImageReward, Xu et al.
     2023, arXiv 2304.05977, Algorithm 1): ``weight`` (0: off) times the export's flow-matching objective on
     the micro-batch's prompts' images at sigmas drawn from logit-normal(``logit_mean``, ``logit_std``) with
-    ``shift``, always conditioned (no prompt dropout). It pulls the policy back to the data's images, where
+    ``shift`` (an export trained with a discrete objective draws its training timesteps instead, and these
+    three are unused), always conditioned (no prompt dropout). It pulls the policy back to the data's images, where
     a learned reward's adversarial textures are absent."""
 
     weight: float = 0.0
@@ -110,8 +112,9 @@ class DataLossConfig:
     shift: float = 1.0
 
     def validate(self, prefix: str = "") -> None:
-        if self.weight < 0:
-            raise ValueError(f"{prefix}weight: must be >= 0, got {self.weight}")
+        if not math.isfinite(self.weight) or self.weight < 0:
+            raise ValueError(f"{prefix}weight: must be a finite number >= 0, got {self.weight}")
+        require_positive(self, prefix, "logit_std", "shift")
 
     def flow(self, objective: str) -> FlowConfig:
         return FlowConfig(self.logit_mean, self.logit_std, self.shift, cond_dropout=0.0, objective=objective)
@@ -221,14 +224,14 @@ class RewardGradientRun(PolicyRun):
 
     def data_loss(self, model, idx: list[int], micro: int) -> torch.Tensor:
         """The pre-training loss (:class:`DataLossConfig`) on the train images of prompts ``idx``, its
-        noise and sigma drawn per sample (stream "train", keyed by step and index in the step)."""
+        noise and sigma drawn per sample (stream "data_loss", keyed by step and index in the step)."""
         st = self.st
         flow = self.cfg.data_loss.flow(st.meta.get("objective", "rectified_flow"))
         images, embeds, _ = st.train_set.batch(idx)
         x0 = st.codec.encode(images.to(st.device))
         lo = self.ranks.share(self.cfg.train.batch_size)[0] + micro * self.cfg.train.batch_size
         keys = list(range(lo, lo + len(idx)))  # the step's global sample indices, as the chain's noise
-        noise, sigma, drop = draw_training_noise(x0, self.cfg.train.seed, self.rt.step, keys, flow, "train",
+        noise, sigma, drop = draw_training_noise(x0, self.cfg.train.seed, self.rt.step, keys, flow, "data_loss",
                                                  objective_sigmas(model, flow, "data_loss"))
         with self.rt.autocast():
             return pretrain_loss(model, x0, embeds.to(st.device), st.null, noise, sigma, drop, flow.objective)

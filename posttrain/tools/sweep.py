@@ -26,7 +26,7 @@ from pathlib import Path
 from posttrain.eval.probe import ProbeRewards, probe, prompt_mean
 from posttrain.stages import get_run, run_command
 from posttrain.tools.sweep_config import PrepareStep, SweepConfig, arm_config, read_rows, run_dir_of, write_rows
-from pretrain.config import load_config, save_config
+from pretrain.config import save_config
 from pretrain.export import require_export
 from pretrain.runtime.loop import step_once
 
@@ -93,14 +93,9 @@ def needed(cfg: SweepConfig, step: PrepareStep) -> bool:
 
 
 def run_prepare_step(step: PrepareStep) -> None:
-    """One prepare step: ``train-reward`` trains a learned reward; any other command is a stage of the
-    stage table, run to its end (resuming its own checkpoints)."""
-    if step.command == "train-reward":
-        from posttrain.tools.train_reward import TrainRewardConfig, train_reward
-
-        train_reward(load_config(TrainRewardConfig, step.config, step.overrides))
-    else:
-        run_command(step.command, step.config, step.overrides, resume=True)
+    """One prepare step: a stage of the stage table (``train-reward`` included), run to its end (resuming
+    its own checkpoints where it has them)."""
+    run_command(step.command, step.config, step.overrides, resume=True)
 
 
 def prepare(cfg: SweepConfig, log=print) -> None:

@@ -83,9 +83,8 @@ class SweepConfig:
             if unknown:
                 raise ValueError(f"{prefix}{key}: {unknown} not in {sorted(known)}")
         for i, step in enumerate(self.prepare):
-            if step.command != "train-reward" and step.command not in STAGES:
-                raise ValueError(f"{prefix}prepare.{i}.command: '{step.command}' is neither a stage "
-                                 f"({sorted(STAGES)}) nor train-reward")
+            if step.command not in STAGES:
+                raise ValueError(f"{prefix}prepare.{i}.command: '{step.command}' is not a stage ({sorted(STAGES)})")
         for name, task in self.tasks.items():
             if not task.reward or not task.guard_reward:
                 raise ValueError(f"{prefix}tasks.{name}: reward and guard_reward are both required")

@@ -87,7 +87,7 @@ def predict(net: JudgeNet, images: torch.Tensor, features: torch.Tensor, batch: 
 
 def train_judge(cfg: TrainRewardConfig) -> dict:
     """Build the pairs, score them with the judge, train and save the stand-in; returns the metrics (also
-    in ``out_dir/metrics.json``; the model folder under ``model``)."""
+    in ``metrics.json`` of :meth:`TrainRewardConfig.folder`; the model folder under ``model``)."""
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.train.threads)
     out = cfg.folder()
@@ -130,7 +130,7 @@ def train_judge(cfg: TrainRewardConfig) -> dict:
     lines = open(out / "metrics.jsonl", "w")
 
     def on_epoch(epoch, loss):
-        row = {"epoch": epoch + 1, "loss": loss}
+        row = {"step": epoch + 1, "epoch": epoch + 1, "loss": loss}
         if (epoch + 1) % cfg.train.eval_every == 0 or epoch + 1 == cfg.train.epochs:
             row.update({k: agreement(predict(net, xi, fi), yi)["pearson"] for k, (xi, fi, yi) in report.items()})
             net.train()

@@ -7,8 +7,8 @@ image->text retrieval top-1 / top-5. ``objective: judge``: the ``learned_judge``
 (:mod:`posttrain.tools.train_judge`); reports its agreement with the judge on held-out prompts.
 
 Outputs under ``out_dir`` (in a pipeline, ``<run_dir>/train-reward``): ``model/`` (config.json +
-model.safetensors), ``metrics.jsonl`` (one object per epoch), ``metrics.json`` (final), ``config.yaml``
-(resolved).
+model.safetensors), ``metrics.jsonl`` (one object per epoch, ``step`` = epoch), ``metrics.json`` (final),
+``config.yaml`` (resolved).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def fit(net: torch.nn.Module, images: torch.Tensor, cfg: RewardTrainSection, los
 
 def train_reward(cfg: TrainRewardConfig) -> dict:
     """Train the reward model of ``cfg.objective`` (:data:`OBJECTIVES`), evaluate and save it; returns its
-    final metrics (also written to ``out_dir/metrics.json``)."""
+    final metrics (also written to ``metrics.json`` in ``cfg.folder()``)."""
     module, _, name = OBJECTIVES[cfg.objective].partition(":")
     return getattr(importlib.import_module(module), name)(cfg)
 
@@ -208,7 +208,7 @@ def train_reward_stage(cfg: TrainRewardConfig) -> Path:
 
 def train_contrastive(cfg: TrainRewardConfig) -> dict:
     """``objective: contrastive``: train, evaluate and save; returns the final metrics (also written to
-    ``out_dir/metrics.json``):
+    ``metrics.json`` in ``cfg.folder()``):
     ``heldout`` and ``train`` retrieval dicts (see ``retrieval``), ``loss_first``/``loss_last``,
     ``seconds``, ``model`` (the saved folder)."""
     t0 = time.perf_counter()
@@ -227,7 +227,7 @@ def train_contrastive(cfg: TrainRewardConfig) -> dict:
     lines = open(out / "metrics.jsonl", "w")
 
     def on_epoch(epoch, loss):
-        row = {"epoch": epoch + 1, "loss": loss, "temperature": float(1 / net.scale().detach())}
+        row = {"step": epoch + 1, "epoch": epoch + 1, "loss": loss, "temperature": float(1 / net.scale().detach())}
         if (epoch + 1) % cfg.train.eval_every == 0 or epoch + 1 == cfg.train.epochs:
             row["heldout"] = retrieval(net, he_x, he_f, held.captions)
             net.train()

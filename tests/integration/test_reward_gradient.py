@@ -113,7 +113,7 @@ def test_adjoint_matching_starts_at_zero_control_and_reads_the_start(tiny_export
 
 def test_the_data_loss_is_the_flow_matching_loss_of_the_prompts_own_images(tiny_export, judge, tmp_path):
     """``data_loss`` (ReFL's pre-training loss) of a step is the export's rectified-flow loss on the train
-    images of the very prompts the step samples, at the per-sample draws of (seed, "train", step, index),
+    images of the very prompts the step samples, at the per-sample draws of (seed, "data_loss", step, index),
     without prompt dropout, and a step logs it."""
     from posttrain.reward_gradient.stage import RewardGradientRun
     from pretrain.flow import flow_matching_loss, interpolate
@@ -124,7 +124,7 @@ def test_the_data_loss_is_the_flow_matching_loss_of_the_prompts_own_images(tiny_
     st, idx = run.st, [3, 0, 5, 1]
     images, embeds, _ = st.train_set.batch(idx)
     x0 = st.codec.encode(images)
-    gens = [generator_for(0, "train", 0, i) for i in range(4)]
+    gens = [generator_for(0, "data_loss", 0, i) for i in range(4)]
     noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])
     sigma = sample_training_sigmas(gens, 0.0, 1.0, 1.0)
     with torch.no_grad():

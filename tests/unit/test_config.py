@@ -271,9 +271,9 @@ def test_command_line_override_indexes_a_list_of_stages():
     from pretrain.config import load_config
 
     path = ROOT / "configs/quickstart.yaml"
-    cfg = load_config(PipelineConfig, path, ["stages.1.overrides=[train.steps=1, rollout.group_size=4]"])
-    assert cfg.stages[1].overrides == ["train.steps=1", "rollout.group_size=4"]
-    assert cfg.stages[0].command == "pretrain" and cfg.stages[0].overrides == []  # the rest of the list is kept
+    cfg = load_config(PipelineConfig, path, ["stages.0.overrides=[train.steps=1, train.batch_size=4]"])
+    assert cfg.stages[0].overrides == ["train.steps=1", "train.batch_size=4"]
+    assert cfg.stages[1].command == "train-reward" and cfg.stages[1].overrides == ["judge.generated=2048"]  # kept
     with pytest.raises(ConfigError, match=r"'stages.5.overrides=.*': no stages.5: the pipeline has 3 stage"):
         load_config(PipelineConfig, path, ["stages.5.overrides=[train.steps=1]"])
 

@@ -121,10 +121,6 @@ def check_posttrain(where: str, args: list[str]) -> None:
         for task in tasks:  # as run_sweep loads every arm's config before training
             for arm in arms:
                 arm_config(cfg, task, arm, cfg.seeds[0])
-    elif parsed.command == "train-reward":
-        from posttrain.tools.train_reward import TrainRewardConfig
-
-        load_config(TrainRewardConfig, parsed.config, list(parsed.overrides))
     elif parsed.command == "serve-reward":
         from posttrain.tools.serve_reward import load_reward
 
