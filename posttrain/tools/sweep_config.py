@@ -30,11 +30,14 @@ class TaskConfig:
     """What the arms are trained and judged on: ``overrides`` set the training rewards (e.g.
     ``["~rewards", "rewards={jpeg_compressibility: 1.0}"]``), ``reward`` the held-out reward of the
     report (an eval entry ``NAME`` or ``NAME@PATH``), ``guard_reward`` a second held-out reward the
-    arms are not trained on."""
+    arms are not trained on. ``command_overrides``: stage command -> overrides that replace
+    ``overrides`` for the arms of that command (e.g. a ``reward_gradient`` arm's one differentiable
+    ``reward`` where the RL arms set ``rewards``)."""
 
     reward: str = "jpeg_compressibility"
     guard_reward: str = ""
     overrides: list[str] = field(default_factory=list)
+    command_overrides: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,12 +103,14 @@ def run_dir_of(cfg: SweepConfig, task: str, arm: str, seed: int) -> Path:
 
 
 def arm_config(cfg: SweepConfig, task: str, arm: str, seed: int):
-    """The stage config of one run: the arm's file and overrides, the task's, then the sweep's own
+    """The stage config of one run: the arm's file and overrides, the task's (its ``command_overrides``
+    for the arm's command where given), then the sweep's own
     (run folder, starting export, seed, open-ended steps, no stage-side evaluation or periodic
     checkpoints, resume). ``ConfigError`` naming the arm and task."""
     a, t = cfg.arms[arm], cfg.tasks[task]
     schema, _ = get_stage(a.command)
-    overrides = [*a.overrides, *t.overrides, f"run_dir={run_dir_of(cfg, task, arm, seed)}",
+    task_overrides = t.command_overrides.get(a.command, t.overrides)
+    overrides = [*a.overrides, *task_overrides, f"run_dir={run_dir_of(cfg, task, arm, seed)}",
                  f"model.pretrained={cfg.pretrained}", f"train.seed={seed}", f"train.steps={OPEN_ENDED}",
                  "eval.every=0", "checkpoint.every=0", "checkpoint.resume=true"]
     try:

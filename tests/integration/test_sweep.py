@@ -102,3 +102,15 @@ def test_sweep_config_errors_name_the_key(tiny_export, tmp_path):
     cfg = load_config(SweepConfig, path, ["arms.awm.overrides=[grpo.loss.nope=1]"])
     with pytest.raises(ConfigError, match=r"sweep arms\.awm \(task jpeg\): .*grpo\.loss\.nope"):
         run_sweep(cfg, log=lambda m: None)
+
+
+def test_a_reward_gradient_arm_takes_its_command_overrides_not_the_rl_rewards():
+    """The shipped shapes sweep: its RL arms train on ``rewards: {shapes: 1}``; the refl arm cannot take
+    ``rewards`` (one differentiable ``reward``), so the task's ``command_overrides`` replace its overrides."""
+    from posttrain.tools.sweep_config import arm_config
+
+    cfg = load_config(SweepConfig, ROOT / "configs/sweep/shapes_algorithms.yaml")
+    refl, nft = arm_config(cfg, "shapes", "refl", 1), arm_config(cfg, "shapes", "nft", 1)
+    assert refl.reward == {"learned_judge": {"path": "runs/quickstart/train-reward/model"}}
+    assert refl.guard.every == 0 and refl.train.seed == 1 and refl.data.layout == "reading"
+    assert nft.rewards == {"shapes": 1.0}
