@@ -36,6 +36,10 @@ class Stage:
     help: str = ""
     source_key: str = "model.pretrained"
 
+    def __post_init__(self):
+        if self.writes not in ("export", "data", "reward"):
+            raise ValueError(f"Stage.writes: '{self.writes}' is not one of export, data, reward")
+
     @property
     def data(self) -> bool:
         return self.writes == "data"

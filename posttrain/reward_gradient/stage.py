@@ -178,15 +178,20 @@ class RewardGradientRun(PolicyRun):
     def step(self) -> int:
         return self.rt.step
 
+    def sample_indices(self, n: int, micro: int) -> range:
+        """The step's global indices of this rank's ``n`` samples of micro-batch ``micro`` (the keys of
+        their per-sample draws, so N ranks draw what one process draws)."""
+        lo = self.ranks.share(self.cfg.train.batch_size)[0] + micro * self.cfg.train.batch_size
+        return range(lo, lo + n)
+
     def chain(self, model, idx: list[int], micro: int) -> Chain:
         """The sampling problem of prompts ``idx`` (this rank's share) of micro-batch ``micro``."""
         st, cfg = self.st, self.cfg
         _, embeds, captions = st.train_set.batch(idx)
         embeds = embeds.to(st.device)
         sigmas = st.model.sigmas(cfg.sampling.num_inference_steps, self.shift).to(st.device)
-        lo = self.ranks.share(cfg.train.batch_size)[0] + micro * cfg.train.batch_size
         shape = st.codec.latent_shape(st.meta["image_size"], st.meta["image_size"])
-        noise = randn_per_sample(tuple(shape), cfg.train.seed, self.rt.step + 1, range(lo, lo + len(idx)),
+        noise = randn_per_sample(tuple(shape), cfg.train.seed, self.rt.step + 1, self.sample_indices(len(idx), micro),
                                  stream="rollout", device=st.device)
         noise = noise * st.model.initial_scale(float(sigmas[0]))
 
@@ -229,8 +234,7 @@ class RewardGradientRun(PolicyRun):
         flow = self.cfg.data_loss.flow(st.meta.get("objective", "rectified_flow"))
         images, embeds, _ = st.train_set.batch(idx)
         x0 = st.codec.encode(images.to(st.device))
-        lo = self.ranks.share(self.cfg.train.batch_size)[0] + micro * self.cfg.train.batch_size
-        keys = list(range(lo, lo + len(idx)))  # the step's global sample indices, as the chain's noise
+        keys = list(self.sample_indices(len(idx), micro))
         noise, sigma, drop = draw_training_noise(x0, self.cfg.train.seed, self.rt.step, keys, flow, "data_loss",
                                                  objective_sigmas(model, flow, "data_loss"))
         with self.rt.autocast():
