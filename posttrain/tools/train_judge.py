@@ -9,7 +9,9 @@ cross-entropy of the predicted score against the judge's score as a soft target.
 
 Metrics (``metrics.json``): for held-out renders (own and mismatched captions) and, with an export,
 held-out generated images: the Pearson correlation of the stand-in's score with the judge's, the mean
-absolute error, and both means.
+absolute error, and both means; on the shapes task, ``contrast_order``: per kind of one-requirement edit
+of a caption (a colour, shape, count, relation, object order or binding), how often the stand-in ranks
+the image's own caption against the edited one as the judge does (0.5: blind to that requirement).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import save_config
+from pretrain.data import shapes as shapes_grammar
 from pretrain.data.dataset import build_datasets
 from pretrain.text_encoder import NoTextEmbeds
 from rewards.base import build_reward
@@ -85,6 +88,32 @@ def predict(net: JudgeNet, images: torch.Tensor, features: torch.Tensor, batch: 
                       for i in range(0, len(images), batch)])
 
 
+def contrast_order(net: JudgeNet, text: TextFeatures, images: torch.Tensor, captions: list[str], judge) -> dict:
+    """How often the stand-in ranks an image's own caption against each of its caption's minimal edits
+    (:func:`pretrain.data.shapes.minimal_edits`) the way the exact ``judge`` does, over the (image, edit)
+    pairs the judge does not tie: ``{"all": fraction, "pairs": n, "<kind>": fraction, ...}`` per edit kind
+    with such pairs. 0.5 is a stand-in blind to the edited requirement. ``images``: float ``[N, 3, H, W]``
+    in [0, 1] or uint8 ``[N, 3, H, W]``; ``captions``: shapes captions (``KeyError`` naming one that is
+    not)."""
+    idx, own, edit, kinds = [], [], [], []
+    for i, c in enumerate(captions):
+        for kind, specs in shapes_grammar.minimal_edits(shapes_grammar.spec_for_caption(c)).items():
+            for e in specs:
+                idx.append(i), own.append(c), edit.append(e.caption), kinds.append(kind)
+    x = images[torch.as_tensor(idx)]
+    x = x.float() / 255 if x.dtype == torch.uint8 else x
+    gap_judge = judge(x, own, None).float() - judge(x, edit, None).float()
+    gap_pred = predict(net, x, text(own)) - predict(net, x, text(edit))
+    keep = gap_judge != 0
+    right = (gap_pred > 0) == (gap_judge > 0)
+    out = {"all": float(right[keep].float().mean()), "pairs": int(keep.sum())}
+    for kind in shapes_grammar.EDIT_KINDS:
+        sel = keep & torch.tensor([k == kind for k in kinds])
+        if sel.any():
+            out[kind] = float(right[sel].float().mean())
+    return out
+
+
 def train_judge(cfg: TrainRewardConfig) -> dict:
     """Build the pairs, score them with the judge, train and save the stand-in; returns the metrics (also
     in ``metrics.json`` of :meth:`TrainRewardConfig.folder`; the model folder under ``model``)."""
@@ -142,6 +171,11 @@ def train_judge(cfg: TrainRewardConfig) -> dict:
         net.logits(xb, feats[idx]), y[idx]), on_epoch)
     lines.close()
     metrics = {k: agreement(predict(net, xi, fi), yi) for k, (xi, fi, yi) in report.items()}
+    if cfg.data.source == "shapes":
+        probe = {"heldout_renders": (held.images, held.captions)}
+        if jc.generated_from:
+            probe["heldout_generated"] = (gen_he, he_prompts)
+        metrics["contrast_order"] = {k: contrast_order(net, text, *v, judge) for k, v in probe.items()}
     metrics.update({"loss_first": losses[0], "loss_last": losses[-1], "train_pairs": len(y),
                     "model": str(save_learned_judge(net, out / "model")), "seconds": time.perf_counter() - t0})
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

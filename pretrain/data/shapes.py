@@ -19,7 +19,7 @@ PCG64) and imports nothing else of the project, so rewards may use it.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -100,6 +100,48 @@ def spec_for_caption(caption: str) -> SceneSpec:
     except KeyError:
         raise KeyError(f"shapes: '{caption}' is not a caption of the shapes grammar (e.g. "
                        f"'{all_specs()[-1].caption}')") from None
+
+
+#: The kinds of :func:`minimal_edits`, in its order.
+EDIT_KINDS = ("colour", "shape", "count", "relation", "order", "binding")
+
+
+def minimal_edits(spec: SceneSpec) -> dict[str, list[SceneSpec]]:
+    """The specs of the grammar one change away from ``spec``, by kind (:data:`EDIT_KINDS`; a kind with
+    none is an empty list): ``colour`` / ``shape``: one object's replaced; ``count``: an exact count moved
+    by one; ``relation``: replaced; ``order``: the two objects swapped, same relation; ``binding``: the
+    colours of two coloured objects swapped. Each is the grammar's own spec for its caption (an exact count
+    of one is the ``colors`` spec "a green square"), listed once (under its first kind) and never
+    ``spec``. Contrast captions for a learned judge: each differs from ``spec`` in one requirement, so the
+    exact judge's partial score of an image against it differs only there; swapping the objects of a
+    two-object or colour-attribution prompt changes nothing, and the judge scores it so."""
+    table, seen = _caption_table(), {spec}
+    out: dict[str, list[SceneSpec]] = {k: [] for k in EDIT_KINDS}
+
+    def add(kind: str, objects: tuple[ObjectReq, ...], relation: str | None) -> None:
+        cand = table.get(SceneSpec(spec.category, objects, relation).caption)
+        if cand is not None and cand not in seen:
+            seen.add(cand)
+            out[kind].append(cand)
+
+    objs, rel = spec.objects, spec.relation
+    for i, o in enumerate(objs):
+        swap = lambda **kw: objs[:i] + (replace(o, **kw),) + objs[i + 1:]  # noqa: E731
+        for c in COLOURS if o.colour is not None else ():
+            add("colour", swap(colour=c), rel)
+        for s in SHAPES:
+            add("shape", swap(shape=s), rel)
+        for n in (o.count - 1, o.count + 1) if o.exact else ():
+            if n in NUMBERS or n == 1:
+                add("count", swap(count=n), rel)
+    for r in RELATIONS if rel else ():
+        add("relation", objs, r)
+    if len(objs) == 2:
+        add("order", objs[::-1], rel)
+        a, b = objs
+        if a.colour is not None and b.colour is not None:
+            add("binding", (replace(a, colour=b.colour), replace(b, colour=a.colour)), rel)
+    return out
 
 
 def is_novel(spec: SceneSpec, fraction: float) -> bool:

@@ -57,5 +57,8 @@ def test_train_reward_judge_objective_learns_the_judge(tmp_path, tiny_export):
     assert held["n"] == 2 * 192 and held["pearson"] > 0.3, held  # SE of r near 0 here: 0.05
     assert metrics["loss_last"] < metrics["loss_first"]
     assert metrics["heldout_generated"]["n"] == 32
+    order = metrics["contrast_order"]
+    assert set(order) == {"heldout_renders", "heldout_generated"} and order["heldout_renders"]["pairs"] > 1000
+    assert 0.0 <= order["heldout_renders"]["shape"] <= 1.0
     reward = build_reward("learned_judge", path=metrics["model"])
     assert reward(torch.ones(1, 3, 32, 32), ["a red circle"]).shape == (1,)

@@ -181,3 +181,69 @@ def test_reading_layout_fills_cells_in_order_and_is_judged_exactly():
         assert ShapesJudge().judge(img, spec.caption).strict == 1.0, spec.caption
     with pytest.raises(ValueError, match="layout"):
         g.render_spec(specs[0], 32, 0, "spiral")
+
+
+def test_minimal_edits_change_one_requirement_and_the_judge_sees_each():
+    pos = g.spec_for_caption("a red circle to the left of a blue square")
+    by_kind = g.minimal_edits(pos)
+    assert [e.caption for e in by_kind["relation"] + by_kind["order"] + by_kind["binding"]] == [
+        "a red circle to the right of a blue square", "a red circle above a blue square", "a red circle below a blue square",
+        "a blue square to the left of a red circle", "a blue circle to the left of a red square"]
+    edits = {e.caption for specs in by_kind.values() for e in specs}
+    assert {"a red circle to the right of a blue square", "a red circle above a blue square",
+            "a blue square to the left of a red circle", "a blue circle to the left of a red square",
+            "a green circle to the left of a blue square", "a red triangle to the left of a blue square"} <= edits
+    # two colours, two shapes, three relations, the objects swapped, the colours swapped
+    assert pos.caption not in edits and len(edits) == 3 + 3 + 2 + 2 + 3 + 1 + 1
+    flat = lambda spec: [e for specs in g.minimal_edits(spec).values() for e in specs]  # noqa: E731
+    assert [e.caption for e in g.minimal_edits(g.spec_for_caption("two green squares"))["count"]] == [
+        "a green square", "three green squares"]  # an exact count of one is the colours prompt
+    assert [e.caption for e in g.minimal_edits(g.spec_for_caption("four green squares"))["count"]] == [
+        "three green squares"]
+    assert all(s not in flat(s) and len(set(flat(s))) == len(flat(s))
+               and all(g.spec_for_caption(e.caption) == e for e in flat(s)) for s in g.all_specs())
+    # on a correct render the judge gives the prompt 1 and every edit that changes a requirement less
+    judge = build_reward("shapes")
+    for k, spec in enumerate([pos, g.spec_for_caption("a red square and a green circle"),
+                              g.spec_for_caption("three blue triangles")]):
+        img = torch.from_numpy(g.render_spec(spec, 32, seed=k)[0]).float()[None] / 255
+        caps = [e.caption for e in flat(spec)]
+        scores = judge(img.expand(len(caps), -1, -1, -1), caps)
+        assert float(judge(img, [spec.caption])) == 1.0
+        swapped = [c for c in caps if c.startswith("a green square and a red")
+                   or c.endswith("to the right of a blue square")
+                   or c == "a blue square to the left of a red circle"]
+        assert (len(swapped) > 0) == (spec.category != "counting")
+        assert all(float(scores[caps.index(c)]) < 1.0 for c in swapped), swapped
+        assert float(scores.max()) <= 1.0 and float(scores.min()) < 1.0
+
+
+
+def test_contrast_order_is_one_for_the_judge_itself_and_zero_for_a_caption_blind_score():
+    from posttrain.tools.train_judge import contrast_order
+
+    judge = build_reward("shapes")
+    specs = [g.spec_for_caption(c) for c in ("a red circle to the left of a blue square",
+                                             "a red square and a green circle", "three blue triangles")]
+    images = torch.stack([torch.from_numpy(g.render_spec(s, 32, seed=k)[0]) for k, s in enumerate(specs)])
+    vocab: list[str] = []
+
+    def text(captions):  # caption -> its index, so the stand-ins below can look the caption up
+        vocab.extend(c for c in captions if c not in vocab)
+        return torch.tensor([[float(vocab.index(c))] for c in captions])
+
+    class Oracle(torch.nn.Module):  # the judge's own partial score as a logit
+        def logits(self, x, f):
+            return torch.logit(judge(x, [vocab[int(i)] for i in f[:, 0]]).clamp(1e-4, 1 - 1e-4))
+
+    class Blind(torch.nn.Module):  # the same score for every caption
+        def logits(self, x, f):
+            return x.mean((1, 2, 3))
+
+    oracle = contrast_order(Oracle(), text, images, [s.caption for s in specs], judge)
+    # every edit but "a square and a circle"-style swaps changes the judge's score: colour, shape, count,
+    # relation, order (position) and binding all occur among these three prompts
+    assert set(oracle) == {"all", "pairs", *g.EDIT_KINDS} and oracle["pairs"] > 20
+    assert all(oracle[k] == 1.0 for k in ("all", *g.EDIT_KINDS))
+    blind = contrast_order(Blind(), text, images, [s.caption for s in specs], judge)
+    assert blind["pairs"] == oracle["pairs"] and all(blind[k] == 0.0 for k in ("all", *g.EDIT_KINDS))
