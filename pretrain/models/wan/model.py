@@ -49,11 +49,16 @@ class WanVideoAdapter(Backbone):
         """Wan convention: timestep = sigma * ``timestep_scale`` (1000), float32."""
         return sigma.to(dtype=torch.float32) * self.timestep_scale
 
+    def transformer_timestep(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """The ``timestep`` argument of the transformer for latents ``x`` at ``sigma`` ``[B]``: float32
+        ``[B]``, :meth:`timestep` (pipeline adapters may expand it per token)."""
+        return self.timestep(sigma)
+
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         # diffusers' dtype skips the float32-kept modules (``_keep_in_fp32_modules``: scale_shift_table, the
         # time embedder, norms), one of which is the first parameter: bf16 weights take bf16 inputs
         dtype = self.transformer.dtype
-        timestep = self.timestep(sigma.to(device=x.device))
+        timestep = self.transformer_timestep(x, sigma.to(device=x.device))
         out = self.transformer(hidden_states=x.to(dtype), timestep=timestep,
                                encoder_hidden_states=embeds.tokens.to(x.device, dtype), return_dict=False)[0]
         return out.float()

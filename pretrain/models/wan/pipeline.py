@@ -11,7 +11,13 @@ Sampling. Our samplers are the Euler ODE and the Flow-GRPO SDE. For a folder who
 tests prove it on a tiny pipeline). The released Wan2.1 folders ship ``UniPCMultistepScheduler``
 (``use_flow_sigmas``, ``flow_shift`` 3.0 for 480p): we take its flow-shifted linear sigmas but step them
 with Euler/SDE, not UniPC's multistep predictor-corrector, so results are close to, not equal to, the
-pipeline's. Wan2.2 folders (``transformer_2`` / ``boundary_ratio``, ``expand_timesteps``) are refused.
+pipeline's.
+
+Wan2.2. A TI2V-5B folder (``expand_timesteps``: the pipeline hands the transformer one timestep per
+latent token, ``[B, F' * h/2 * w/2]``, rather than one per sample; its VAE packs 2 x 2 pixels into channels
+and downsamples by 16) samples text-to-video here with that per-token timestep, every token at the
+step's timestep as ``WanPipeline`` gives it without a conditioning image. The A14B layout
+(``transformer_2`` switched in at ``boundary_ratio``) is refused: one denoiser per policy for now.
 """
 
 from __future__ import annotations
@@ -74,18 +80,37 @@ class WanAdapter(WanVideoAdapter):
     embeds) -> velocity`` float32, the transformer's prediction v = eps - x0 at the float32 timestep
     sigma * ``num_train_timesteps`` as ``WanPipeline`` passes it; ``embeds.pooled`` ``[B, 0]`` unused)
     walking the folder scheduler's sigmas (:func:`scheduler_sigmas`, ``schedule`` "pipeline" or
-    "single_shift")."""
+    "single_shift"). ``expand_timesteps`` (Wan2.2 TI2V): the timestep goes in per latent token, float32
+    ``[B, F' * ceil(h / 2) * ceil(w / 2)]``, each row the sample's timestep, as ``WanPipeline`` builds it
+    from its all-ones text-to-video mask."""
 
-    def __init__(self, transformer: torch.nn.Module, scheduler, schedule: str = "pipeline"):
+    def __init__(self, transformer: torch.nn.Module, scheduler, schedule: str = "pipeline",
+                 expand_timesteps: bool = False):
         super().__init__(transformer)
         self.scheduler_class = type(scheduler)
         self.scheduler_config = dict(scheduler.config)
         self.timestep_scale = float(scheduler.config.num_train_timesteps)
         self.schedule = checked_schedule({"schedule": schedule})
+        self.expand_timesteps = bool(expand_timesteps)
 
     def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
         return scheduler_sigmas(self.scheduler_class, self.scheduler_config, num_inference_steps, shift,
                                 self.schedule)
+
+    def sequence_parallel(self, group) -> list:
+        """The Wan Ulysses plan; ``ValueError`` for ``expand_timesteps`` (the per-token timestep
+        embedding is not split with the tokens)."""
+        if self.expand_timesteps:
+            raise ValueError("sequence parallel: a Wan2.2 TI2V folder (expand_timesteps: per-token timesteps) "
+                             "has no sequence-parallel plan; set parallel.sp=1")
+        return super().sequence_parallel(group)
+
+    def transformer_timestep(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        timestep = super().transformer_timestep(x, sigma)
+        if not self.expand_timesteps:
+            return timestep
+        frames, h, w = x.shape[2], (x.shape[3] + 1) // 2, (x.shape[4] + 1) // 2  # the pipeline's mask[:, ::2, ::2]
+        return timestep[:, None].expand(-1, frames * h * w)
 
 
 class WanPromptEncoder(PipelinePromptEncoder):
@@ -109,12 +134,13 @@ class WanPromptEncoder(PipelinePromptEncoder):
 
 
 def check_folder(path: Path) -> None:
-    """``ValueError`` for a Wan2.2 folder (a second transformer, ``boundary_ratio``, ``expand_timesteps``)."""
+    """``ValueError`` for a Wan2.2 A14B folder (a second transformer or a ``boundary_ratio``); a TI2V
+    folder (``expand_timesteps``) passes."""
     index = json.loads((Path(path) / "model_index.json").read_text())
     second = index.get("transformer_2")
-    if (second and second[0]) or index.get("boundary_ratio") is not None or index.get("expand_timesteps"):
-        raise ValueError(f"{path}: a Wan2.2 pipeline (transformer_2 / boundary_ratio / expand_timesteps); "
-                         f"only single-transformer Wan2.1 text-to-video folders are supported")
+    if (second and second[0]) or index.get("boundary_ratio") is not None:
+        raise ValueError(f"{path}: a Wan2.2 A14B pipeline (transformer_2 / boundary_ratio: two experts); only "
+                         f"single-transformer folders are supported (Wan2.1, Wan2.2 TI2V)")
 
 
 def load(path: Path, device: str, options: dict):
@@ -127,7 +153,7 @@ def load(path: Path, device: str, options: dict):
     ``dtype``; "bfloat16" halves the 5.7 B-parameter encoder, as Wan ships it). The VAE stays float32,
     as Wan's examples load it; ``schedule`` ("pipeline" or "single_shift", see :func:`scheduler_sigmas`).
     Raises ``ValueError`` for an unknown option, dtype or schedule, a frame count that is not 4k + 1,
-    an image size the VAE scale x patch size does not divide, or a Wan2.2 folder."""
+    an image size the VAE scale x patch size does not divide, or a Wan2.2 A14B folder."""
     from diffusers import AutoencoderKLWan, WanPipeline
     from transformers import UMT5EncoderModel
 
@@ -146,7 +172,7 @@ def load(path: Path, device: str, options: dict):
     pipe.set_progress_bar_config(disable=True)
     image_size = check_image_size(int(options.get("image_size") or defaults["height"]),
                                   pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1])
-    model = WanAdapter(pipe.transformer.eval(), pipe.scheduler, schedule)
+    model = WanAdapter(pipe.transformer.eval(), pipe.scheduler, schedule, bool(pipe.config.get("expand_timesteps")))
     encoder = WanPromptEncoder(pipe, path, int(options.get("max_sequence_length", defaults["max_sequence_length"])),
                                text_dtype, device)
     meta = family_meta("wan", PIPELINE, COMPONENT, path, image_size, options, defaults)

@@ -1,0 +1,118 @@
+"""Wan2.2 TI2V (``expand_timesteps``: per-token timesteps; a VAE that packs 2 x 2 pixels and downsamples
+by 16) text-to-video against diffusers' ``WanPipeline`` on a tiny randomly initialised folder."""
+
+import itertools
+
+import pytest
+import torch
+
+from pretrain.export import load_exported
+from pretrain.sampling import initial_noise, sample_latents
+from tests.conftest import grpo_config
+from tests.families.test_wan import PROMPTS, max_diff, pipeline_videos
+
+pytestmark = pytest.mark.core
+
+FRAMES, SIZE, STEPS, SCALE = 5, 32, 3, 4.5
+
+
+def build_tiny_ti2v(path):
+    """Save a tiny Wan2.2-TI2V-layout ``WanPipeline`` (random weights, seed 0): ``expand_timesteps``, the
+    residual VAE with ``patch_size`` 2 (12 packed channels) and a spatial factor of 16."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from tests.families.tiny_tokenizers import t5_tokenizer
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=6, out_channels=6, text_dim=32, freq_dim=16, ffn_dim=32,
+                                        num_layers=2, rope_max_seq_len=32)
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                               num_heads=4, relative_attention_num_buckets=8))
+    vae = AutoencoderKLWan(base_dim=12, decoder_base_dim=16, z_dim=6, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                           scale_factor_spatial=16, scale_factor_temporal=4,
+                           latents_mean=[0.1, -0.2, 0.3, 0.0, 0.05, -0.1],
+                           latents_std=[0.5, 1.5, 2.0, 1.0, 0.8, 1.2])
+    WanPipeline(tokenizer=t5_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), expand_timesteps=True).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ti2v_folder(tmp_path_factory):
+    return build_tiny_ti2v(tmp_path_factory.mktemp("tiny_ti2v") / "pipeline")
+
+
+def test_ti2v_sampler_matches_the_pipeline_and_feeds_per_token_timesteps(ti2v_folder, capsys):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(ti2v_folder)
+    assert pipe.config.expand_timesteps
+    opts = {"num_frames": FRAMES, "image_size": SIZE, "max_sequence_length": 16}
+    model, encoder, codec, meta = load_exported(ti2v_folder, options=opts)
+    assert model.expand_timesteps and codec.latent_shape(SIZE, SIZE) == (6, 2, 2, 2)
+    seen = []
+    hook = model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    noise = initial_noise(2, codec.latent_shape(SIZE, SIZE), 0)
+    latents = sample_latents(model, encoder.encode(PROMPTS), encoder.encode([""]), noise, STEPS, SCALE, None)
+    hook.remove()
+    ours = codec.decode(latents)
+    # one timestep per latent token: 2 latent frames x (2 / 2) x (2 / 2) patches, each the step's timestep
+    assert seen[0].shape[1:] == (2,) and torch.equal(seen[0], seen[0][:, :1].expand(-1, 2))
+    want_latents, want_videos = pipeline_videos(pipe, PROMPTS, noise, steps=STEPS, max_sequence_length=16)
+    d_lat, d_vid = max_diff(latents, want_latents), max_diff(ours, want_videos)
+    with capsys.disabled():
+        print(f"\nwan2.2 ti2v vs WanPipeline: latents {d_lat:.2e}, videos {d_vid:.2e}")
+    assert d_lat <= 1e-5 and d_vid <= 1e-5 and ours.shape == (2, FRAMES, 3, SIZE, SIZE) and ours.std() > 0.01
+    with pytest.raises(ValueError, match="expand_timesteps"):
+        model.sequence_parallel(None)
+
+
+def test_ti2v_rollout_log_probs_and_grpo_export_load_in_diffusers(ti2v_folder, tmp_path, capsys):
+    from diffusers import WanPipeline
+
+    from posttrain.grpo.stage import train
+    from pretrain.data.dataset import EncodedSet
+    from rollout.sampler import log_prob
+    from tests.conftest import sampler_rollout
+    from tests.families.lora_policy import perturbed_lora_policy
+
+    model, encoder, codec, _ = load_exported(ti2v_folder, options={"num_frames": FRAMES, "image_size": SIZE,
+                                                                   "max_sequence_length": 16})
+    captions = PROMPTS + ["a face", "the flag"]
+    prompts = EncodedSet(torch.zeros(4, 3, 16, 16, dtype=torch.uint8), captions, encoder.encode(captions))
+    perturbed_lora_policy(model)
+    traj = sampler_rollout(model.eval(), codec, prompts, [0, 1], group=2, batch=4, null=encoder.encode([""]),
+                           sigmas=model.sigmas(STEPS), noise=0.7, scale=SCALE, latent_shape=codec.latent_shape(SIZE, SIZE))
+    model.train()
+    worst = 0.0
+    with torch.enable_grad():
+        for start, t in itertools.product((0, 1), range(STEPS)):
+            mb = traj.select(torch.arange(start, start + 3))
+            ratio = torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t])
+            worst = max(worst, (ratio - 1).abs().max().item())
+    assert worst <= 1e-5, worst
+
+    cfg = grpo_config(tmp_path, ti2v_folder, f"model.options.num_frames={FRAMES}", f"model.options.image_size={SIZE}",
+                      "model.options.max_sequence_length=16", "data.limit=4", "train.steps=1",
+                      "rollout.num_inference_steps=3", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                      "rollout.batch_size=4", "train.batch_size=4", "rollout.guidance_scale=4.5",
+                      "rewards.jpeg_compressibility=0", "rewards.test_video_brightness=1.0", "optim.lr=3e-2",
+                      "eval.grid_prompts=2", "eval.num_inference_steps=2", "eval.guidance_scale=4.5")
+    export = train(cfg)
+    model, encoder, codec, meta = load_exported(export, options={"max_sequence_length": 16})
+    assert model.expand_timesteps and meta["image_size"] == SIZE
+    noise = initial_noise(1, codec.latent_shape(SIZE, SIZE), 0)
+    ours = codec.decode(sample_latents(model, encoder.encode(PROMPTS[:1]), encoder.encode([""]), noise, 3, SCALE, None))
+    kw = dict(steps=3, max_sequence_length=16)
+    d_export = max_diff(pipeline_videos(WanPipeline.from_pretrained(export), PROMPTS[:1], noise, **kw)[1], ours)
+    with_lora = WanPipeline.from_pretrained(ti2v_folder)
+    with_lora.load_lora_weights(str(tmp_path / "grpo/lora"))
+    d_lora = max_diff(pipeline_videos(with_lora, PROMPTS[:1], noise, **kw)[1], ours)
+    d_base = max_diff(pipeline_videos(WanPipeline.from_pretrained(ti2v_folder), PROMPTS[:1], noise, **kw)[1], ours)
+    with capsys.disabled():
+        print(f"\nwan2.2 ti2v: rollout ratio {worst:.2e}; GRPO export vs WanPipeline {d_export:.2e}; base + lora/ "
+              f"{d_lora:.2e}; base (trained change) {d_base:.2e}")
+    assert d_export <= 1e-5 and d_lora <= 1e-5 and d_base > 1e-4
