@@ -19,23 +19,26 @@ OPTIONS = {"num_frames": FRAMES, "image_size": SIZE}
 PROMPTS = ["a red apple moving", "the cat of the flag"]
 
 
-def build_tiny_wan(path):
-    """Save a tiny ``WanPipeline`` with random weights (seed 0) and a flow-match Euler scheduler."""
+def build_tiny_wan(path, vae=None, shift: float = 3.0, **pipeline_kw):
+    """Save a tiny ``WanPipeline`` with random weights (seed 0) and a flow-match Euler scheduler at
+    ``shift``: the 4-channel causal 3D VAE, or ``vae`` (the transformer takes its ``z_dim`` channels);
+    ``pipeline_kw`` go to ``WanPipeline`` (e.g. ``expand_timesteps``)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     from tests.families.tiny_tokenizers import t5_tokenizer
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # built in this order, so the default folder keeps its weights
+    z = 4 if vae is None else vae.config.z_dim
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                        in_channels=4, out_channels=4, text_dim=32, freq_dim=16, ffn_dim=32,
+                                        in_channels=z, out_channels=z, text_dim=32, freq_dim=16, ffn_dim=32,
                                         num_layers=2, rope_max_seq_len=32)
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                                num_heads=4, relative_attention_num_buckets=8))
-    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[0.5, 1.5, 2.0, 1.0])
+    vae = vae or AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                  latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[0.5, 1.5, 2.0, 1.0])
     WanPipeline(tokenizer=t5_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0)).save_pretrained(path)
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), **pipeline_kw).save_pretrained(path)
     return path
 
 

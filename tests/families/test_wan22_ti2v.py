@@ -9,7 +9,7 @@ import torch
 from pretrain.export import load_exported
 from pretrain.sampling import initial_noise, sample_latents
 from tests.conftest import grpo_config
-from tests.families.test_wan import PROMPTS, max_diff, pipeline_videos
+from tests.families.test_wan import PROMPTS, build_tiny_wan, max_diff, pipeline_videos
 
 pytestmark = pytest.mark.core
 
@@ -19,25 +19,14 @@ FRAMES, SIZE, STEPS, SCALE = 5, 32, 3, 4.5
 def build_tiny_ti2v(path):
     """Save a tiny Wan2.2-TI2V-layout ``WanPipeline`` (random weights, seed 0): ``expand_timesteps``, the
     residual VAE with ``patch_size`` 2 (12 packed channels) and a spatial factor of 16."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
+    from diffusers import AutoencoderKLWan
 
-    from tests.families.tiny_tokenizers import t5_tokenizer
-
-    torch.manual_seed(0)
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                        in_channels=6, out_channels=6, text_dim=32, freq_dim=16, ffn_dim=32,
-                                        num_layers=2, rope_max_seq_len=32)
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                               num_heads=4, relative_attention_num_buckets=8))
     vae = AutoencoderKLWan(base_dim=12, decoder_base_dim=16, z_dim=6, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                            is_residual=True, in_channels=12, out_channels=12, patch_size=2,
                            scale_factor_spatial=16, scale_factor_temporal=4,
                            latents_mean=[0.1, -0.2, 0.3, 0.0, 0.05, -0.1],
                            latents_std=[0.5, 1.5, 2.0, 1.0, 0.8, 1.2])
-    WanPipeline(tokenizer=t5_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), expand_timesteps=True).save_pretrained(path)
-    return path
+    return build_tiny_wan(path, vae=vae, shift=5.0, expand_timesteps=True)
 
 
 @pytest.fixture(scope="module")
