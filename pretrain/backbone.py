@@ -49,6 +49,12 @@ class Backbone(torch.nn.Module):
         wrapped model's own convention (SD3 / Wan: sigma x 1000); recorded on rollouts. Default: sigma."""
         return sigma.float()
 
+    def experts(self, sigma: torch.Tensor) -> torch.Tensor | None:
+        """Which expert of a mixture-of-denoisers (Wan2.2 A14B) takes a step at each of ``sigma`` ``[T]``:
+        long ``[T]``, recorded on rollouts and checked when their log-probs are recomputed; None (the
+        default) for a single denoiser."""
+        return None
+
     def initial_scale(self, sigma0: float) -> float:
         """Factor turning unit Gaussian noise into the state at the schedule's first sigma
         ``sigma0``. 1 for flow models (they start from pure noise, sigma0 = 1)."""

@@ -64,6 +64,19 @@ class Sampler:
             return 0, 0
         return self.cfg.sde_window.bounds(self.num_steps, seed, iteration)
 
+    def record_experts(self, model) -> None:
+        """Record in ``self.settings`` which expert of ``model`` takes each transition
+        (:meth:`pretrain.backbone.Backbone.experts`; nothing for a single denoiser). ``ValueError`` when a
+        model routes differently from the one recorded before (another boundary)."""
+        experts_of = getattr(model, "experts", None)  # a Backbone's; a bare test module has none
+        routed = None if experts_of is None else experts_of(self.settings.sigmas[:-1])
+        experts = None if routed is None else tuple(int(e) for e in routed.tolist())
+        if experts != self.settings.experts:
+            if self.settings.experts is not None:
+                raise ValueError(f"rollout: the model routes the transitions to experts {experts}, this sampler "
+                                 f"recorded {self.settings.experts}")
+            self.settings = dataclasses.replace(self.settings, experts=experts)
+
     def settings_for(self, seed: int, iteration: int) -> SamplingSettings:
         """The settings of ``iteration``: ``self.settings`` with that iteration's SDE window."""
         window = self.window(seed, iteration)
@@ -90,7 +103,9 @@ class Sampler:
         the SDE window take ``settings.ode_solver``, given the previous transition's (x, v, sigma).
         ``record_uncond``: keep the unconditional branch's velocities (``Trajectory.uncond_velocities``,
         with CFG only) so that training before the first optimizer step may reuse them. ``record_means``:
-        keep each transition's Gaussian mean (``Trajectory.means``)."""
+        keep each transition's Gaussian mean (``Trajectory.means``). The experts of a mixture of denoisers
+        are recorded in the settings (:meth:`record_experts`)."""
+        self.record_experts(model)
         s = self.settings_for(seed, iteration)
         x, z = rollout_noise(latent_shape, self.num_steps, seed, iteration, sample_ids, shared_group_size)
         x, z = x.to(device) * model.initial_scale(float(s.sigmas[0])), z.to(device)
@@ -159,11 +174,18 @@ def log_prob(branches, traj: Trajectory, transitions: int | list[int]):
     ``branches``: a model (:class:`pretrain.backbone.Backbone`, its CFG branches computed by a default
     :class:`rollout.branches.CFGBranches`) or a ``CFGBranches`` configured by the caller.
     ``transitions``: one index (rows = the B samples) or a list of k (one forward over k * B rows,
-    ordered transition-major: row j * B + i is sample i at transition t[j])."""
+    ordered transition-major: row j * B + i is sample i at transition t[j]). ``ValueError`` when the
+    trajectory records experts (Wan2.2 A14B) and the model would route one of ``transitions`` to
+    another."""
     ts = [transitions] if isinstance(transitions, int) else list(transitions)
     s = traj.settings
     if isinstance(branches, torch.nn.Module):
         branches = CFGBranches(branches)
+    if s.experts is not None:
+        routed = branches.model.experts(s.sigmas[ts])
+        if routed is None or routed.tolist() != [s.experts[t] for t in ts]:
+            raise ValueError(f"log_prob: the rollout took transitions {ts} with experts {[s.experts[t] for t in ts]}, "
+                             f"the model would use {None if routed is None else routed.tolist()}")
     dev = traj.latents.device
     sig, idx, b = s.sigmas.to(dev), torch.as_tensor(ts, device=dev), len(traj)
     rows = (len(ts) * b, *traj.latents.shape[2:])

@@ -21,7 +21,11 @@ class SamplingSettings:
     ``[1, ...]`` of the unconditional branch and ``negative_prompt`` its text; ``window``: the SDE
     window [lo, hi) of this iteration (None: every transition stochastic); ``ode_solver``: the solver
     of the deterministic transitions after the window (:mod:`rollout.ode_solver`; ``euler`` = the step
-    type at noise level 0). The recomputation of a window transition does not read ``ode_solver``."""
+    type at noise level 0). The recomputation of a window transition does not read ``ode_solver``.
+    ``experts``: for a mixture of denoisers (Wan2.2 A14B), which expert took each transition (``T``
+    ints, :meth:`pretrain.backbone.Backbone.experts`); a recomputation whose model would route a
+    transition to another expert raises instead of computing another policy's log-prob. None: one
+    denoiser."""
 
     step: str
     sigmas: torch.Tensor
@@ -32,6 +36,7 @@ class SamplingSettings:
     negative_prompt: str = ""
     window: tuple[int, int] | None = None
     ode_solver: str = "euler"
+    experts: tuple[int, ...] | None = None
 
     def noise_level_at(self, transitions: list[int]) -> float:
         """The noise level of ``transitions``: ``noise_level`` inside the SDE ``window`` (all of them
@@ -49,14 +54,15 @@ class SamplingSettings:
 
     def same_as(self, other: "SamplingSettings") -> bool:
         """True when ``other`` records the same step, schedule, noise level, guidance, negative prompt,
-        window and ODE solver."""
+        window, ODE solver and experts."""
         def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # settings of one sampler share their tensors
             return a is b or torch.equal(a.cpu(), b.cpu())
 
         return other is self or (
-            (self.step, self.noise_level, self.guidance_scale, self.negative_prompt, self.window, self.ode_solver)
+            (self.step, self.noise_level, self.guidance_scale, self.negative_prompt, self.window, self.ode_solver,
+             self.experts)
             == (other.step, other.noise_level, other.guidance_scale, other.negative_prompt, other.window,
-                other.ode_solver)
+                other.ode_solver, other.experts)
             and same(self.sigmas, other.sigmas) and same(self.timesteps, other.timesteps)
             and same(self.negative.tokens, other.negative.tokens) and same(self.negative.pooled, other.negative.pooled))
 

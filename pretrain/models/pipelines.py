@@ -70,16 +70,21 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
     """Write a complete pipeline folder: the source folder ``meta["source"]`` (files hard-linked where
-    possible) with ``denoiser`` saved (``save_pretrained``, safetensors) as its ``meta["component"]``,
+    possible) with ``denoiser`` saved (``save_pretrained``, safetensors) as its ``meta["component"]``
+    (a denoiser of several components, e.g. :class:`pretrain.models.wan.experts.WanExperts`, names
+    them in ``components()``: each is saved under its name),
     the family's (``meta["family"]``) ``finalize_export(folder, meta)`` applied when it has one, plus
     ``posttrain.json``. Written to a temporary name, then renamed. Returns ``out_dir``."""
-    out, src, comp = Path(out_dir), Path(meta["source"]), meta["component"]
+    out, src = Path(out_dir), Path(meta["source"])
+    parts = components_of(denoiser, meta["component"])
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     with guarded_write("export", out, tmp, EXPORT_KEPT):
+        # the saved components are not linked: writing them must never reach the source's files
         shutil.copytree(src, tmp, copy_function=_link_or_copy,
-                        ignore=lambda d, names: [n for n in names if Path(d) == src and n in (comp, META)])
-        denoiser.save_pretrained(tmp / comp, safe_serialization=True)
+                        ignore=lambda d, names: [n for n in names if Path(d) == src and (n in parts or n == META)])
+        for name, part in parts.items():
+            part.save_pretrained(tmp / name, safe_serialization=True)
         finalize = FAMILIES[meta["family"]].finalize_export
         if finalize is not None:  # e.g. a replaced scheduler: the export must sample as the run did
             finalize(tmp, meta)
@@ -88,6 +93,12 @@ def export_pipeline(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) 
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def components_of(denoiser: torch.nn.Module, component: str) -> dict[str, torch.nn.Module]:
+    """``{folder name: module}`` of ``denoiser``: its ``components()`` when it has several (Wan2.2 A14B's
+    experts), else ``{component: denoiser}``."""
+    return denoiser.components() if hasattr(denoiser, "components") else {component: denoiser}
 
 
 def save_lora(denoiser: torch.nn.Module, out_dir: str | Path, pipeline: str | None = None,
@@ -137,5 +148,12 @@ def save_lora(denoiser: torch.nn.Module, out_dir: str | Path, pipeline: str | No
 
 def save_pipeline_lora(denoiser: torch.nn.Module, meta: dict, out_dir: str | Path) -> Path:
     """:func:`save_lora` of ``denoiser`` for the export ``meta`` (``pipeline``, ``component``): loads with
-    ``Pipeline.load_lora_weights(out_dir)`` and ``pipe.<component>.load_lora_adapter(out_dir)``."""
-    return save_lora(denoiser, out_dir, meta["pipeline"], meta["component"])
+    ``Pipeline.load_lora_weights(out_dir)`` and ``pipe.<component>.load_lora_adapter(out_dir)``. A
+    denoiser of several components (:func:`components_of`) writes the first one's there and each other
+    one's in ``out_dir/<its name>``, with the first one's key prefix (Wan2.2:
+    ``pipe.load_lora_weights(out_dir / "transformer_2", load_into_transformer_2=True)``)."""
+    parts = list(components_of(denoiser, meta["component"]).items())
+    save_lora(parts[0][1], out_dir, meta["pipeline"], parts[0][0])
+    for name, part in parts[1:]:
+        save_lora(part, Path(out_dir) / name, meta["pipeline"], parts[0][0])
+    return Path(out_dir)

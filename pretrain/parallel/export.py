@@ -33,23 +33,37 @@ def _plain_class(module: torch.nn.Module) -> type:
 
 
 def _skeleton(transformer: torch.nn.Module) -> torch.nn.Module:
-    """A new diffusers transformer with ``transformer``'s config and peft adapters (values not copied)."""
-    plain = _plain_class(transformer).from_config(transformer.config)
+    """A new diffusers transformer with ``transformer``'s config and peft adapters (values not copied); for
+    a module of several denoisers without a ``from_config`` (Wan2.2 A14B's experts), its settings around a
+    skeleton of each child."""
+    cls = _plain_class(transformer)
+    if not hasattr(cls, "from_config"):
+        plain = _shallow_plain(transformer)
+        for name, child in transformer._modules.items():
+            plain._modules[name] = _skeleton(child)
+        return plain
+    plain = cls.from_config(transformer.config)
     for name, cfg in getattr(transformer, "peft_config", {}).items():
         plain.add_adapter(copy.deepcopy(cfg), adapter_name=name)
     return plain
 
 
-def _plain_adapter(model: torch.nn.Module, transformer: torch.nn.Module) -> torch.nn.Module:
-    """``model``'s adapter settings (schedulers, guidance, ...) around ``transformer``, as its plain
-    class and without the hooks ``fully_shard`` put on the root (the module's registries are copied, so
-    ``model`` is untouched). Pipeline-folder adapters take a
-    scheduler object that ``export_settings`` does not record, so ``from_settings`` cannot rebuild them."""
-    plain = object.__new__(_plain_class(model))  # FSDP2's class would re-run __init__ on copy
-    for name, value in model.__dict__.items():
+def _shallow_plain(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``'s attributes as its plain class, without the hooks ``fully_shard`` put on it (the
+    registries are copied, so ``module`` is untouched)."""
+    plain = object.__new__(_plain_class(module))  # FSDP2's class would re-run __init__ on copy
+    for name, value in module.__dict__.items():
         if name.startswith("_") and isinstance(value, dict):
             value = type(value)() if "hooks" in name else type(value)(value)
         plain.__dict__[name] = value
+    return plain
+
+
+def _plain_adapter(model: torch.nn.Module, transformer: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s adapter settings (schedulers, guidance, ...) around ``transformer``, as its plain
+    class and without the hooks ``fully_shard`` put on the root. Pipeline-folder adapters take a
+    scheduler object that ``export_settings`` does not record, so ``from_settings`` cannot rebuild them."""
+    plain = _shallow_plain(model)
     plain._modules["transformer"] = transformer
     return plain
 

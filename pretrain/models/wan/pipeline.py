@@ -16,8 +16,11 @@ pipeline's.
 Wan2.2. A TI2V-5B folder (``expand_timesteps``: the pipeline hands the transformer one timestep per
 latent token, ``[B, F' * h/2 * w/2]``, rather than one per sample; its VAE packs 2 x 2 pixels into channels
 and downsamples by 16) samples text-to-video here with that per-token timestep, every token at the
-step's timestep as ``WanPipeline`` gives it without a conditioning image. The A14B layout
-(``transformer_2`` switched in at ``boundary_ratio``) is refused: one denoiser per policy for now.
+step's timestep as ``WanPipeline`` gives it without a conditioning image. An A14B folder
+(``transformer_2`` switched in below ``boundary_ratio * num_train_timesteps``) loads as
+:class:`WanExpertsAdapter` over :class:`pretrain.models.wan.experts.WanExperts`: the step's expert is
+the pipeline's, rollouts record it, and a recomputation that would use another raises. One guidance
+scale for both experts (the pipeline's default; ``guidance_scale_2`` is not modelled).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pretrain.models.common import (PipelinePromptEncoder, call_defaults, check_
                                       family_meta)
 from pretrain.models.flow_schedule import checked_schedule, set_flow_timesteps
 from pretrain.models.wan.codec import WanVideoCodec, check_num_frames
+from pretrain.models.wan.experts import WanExperts
 from pretrain.models.wan.model import WanVideoAdapter
 
 COMPONENT = "transformer"
@@ -113,6 +117,27 @@ class WanAdapter(WanVideoAdapter):
         return timestep[:, None].expand(-1, frames * h * w)
 
 
+class WanExpertsAdapter(WanAdapter):
+    """:class:`WanAdapter` over Wan2.2 A14B's two experts (``transformer``:
+    :class:`pretrain.models.wan.experts.WanExperts`), which routes each row by its timestep as
+    ``WanPipeline`` does. FSDP2 wraps both experts' blocks; no tensor or sequence parallel plan."""
+
+    tp_plan = None
+
+    def experts(self, sigma: torch.Tensor) -> torch.Tensor:
+        """long ``[T]``: 0 where the step at ``sigma`` goes to the high-noise ``transformer``, 1 where it
+        goes to ``transformer_2``."""
+        return self.transformer.expert_of(self.timestep(sigma))
+
+    @classmethod
+    def blocks_of(cls, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        return [b for part in denoiser.components().values() for b in WanAdapter.blocks_of(part)]
+
+    def sequence_parallel(self, group) -> list:
+        raise ValueError("sequence parallel: a Wan2.2 A14B folder (two experts) has no sequence-parallel plan; "
+                         "set parallel.sp=1")
+
+
 class WanPromptEncoder(PipelinePromptEncoder):
     """Prompts -> ``PromptEmbeds`` as ``WanPipeline.encode_prompt`` builds them: tokens float32
     ``[B, max_sequence_length, D]`` (UMT5 last hidden states of the cleaned prompt, zeroed after its
@@ -133,14 +158,18 @@ class WanPromptEncoder(PipelinePromptEncoder):
         return tokens, tokens.new_zeros(tokens.shape[0], 0)
 
 
-def check_folder(path: Path) -> None:
-    """``ValueError`` for a Wan2.2 A14B folder (a second transformer or a ``boundary_ratio``); a TI2V
-    folder (``expand_timesteps``) passes."""
+def check_folder(path: Path) -> bool:
+    """True for a Wan2.2 A14B folder (``transformer_2`` and ``boundary_ratio``), False for one transformer.
+    ``ValueError`` for one without the other, or for a folder without ``transformer``."""
     index = json.loads((Path(path) / "model_index.json").read_text())
-    second = index.get("transformer_2")
-    if (second and second[0]) or index.get("boundary_ratio") is not None:
-        raise ValueError(f"{path}: a Wan2.2 A14B pipeline (transformer_2 / boundary_ratio: two experts); only "
-                         f"single-transformer folders are supported (Wan2.1, Wan2.2 TI2V)")
+    present = lambda name: bool(index.get(name) and index[name][0])  # noqa: E731  (["diffusers", cls] or [null, null])
+    two, boundary = present("transformer_2"), index.get("boundary_ratio") is not None
+    if not present("transformer"):
+        raise ValueError(f"{path}: a Wan pipeline without 'transformer' (only transformer_2) is not supported")
+    if two != boundary:
+        raise ValueError(f"{path}: a Wan2.2 A14B pipeline needs both transformer_2 and boundary_ratio, got "
+                         f"transformer_2 {'set' if two else 'unset'}, boundary_ratio {index.get('boundary_ratio')}")
+    return two
 
 
 def load(path: Path, device: str, options: dict):
@@ -153,7 +182,7 @@ def load(path: Path, device: str, options: dict):
     ``dtype``; "bfloat16" halves the 5.7 B-parameter encoder, as Wan ships it). The VAE stays float32,
     as Wan's examples load it; ``schedule`` ("pipeline" or "single_shift", see :func:`scheduler_sigmas`).
     Raises ``ValueError`` for an unknown option, dtype or schedule, a frame count that is not 4k + 1,
-    an image size the VAE scale x patch size does not divide, or a Wan2.2 A14B folder."""
+    an image size the VAE scale x patch size does not divide, or a folder :func:`check_folder` refuses."""
     from diffusers import AutoencoderKLWan, WanPipeline
     from transformers import UMT5EncoderModel
 
@@ -162,7 +191,7 @@ def load(path: Path, device: str, options: dict):
     text_dtype = options.get("text_encoder_dtype", dtype)
     if text_dtype not in DTYPES:
         raise ValueError(f"model.options.text_encoder_dtype: '{text_dtype}' is not one of {sorted(DTYPES)}")
-    check_folder(path)
+    two_experts = check_folder(path)
     defaults = call_defaults(WanPipeline, "height", "num_frames", "num_inference_steps", "guidance_scale",
                              "max_sequence_length")
     vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
@@ -172,7 +201,13 @@ def load(path: Path, device: str, options: dict):
     pipe.set_progress_bar_config(disable=True)
     image_size = check_image_size(int(options.get("image_size") or defaults["height"]),
                                   pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1])
-    model = WanAdapter(pipe.transformer.eval(), pipe.scheduler, schedule, bool(pipe.config.get("expand_timesteps")))
+    expand = bool(pipe.config.get("expand_timesteps"))
+    if two_experts:
+        boundary = float(pipe.config.boundary_ratio) * pipe.scheduler.config.num_train_timesteps
+        experts = WanExperts(pipe.transformer.eval(), pipe.transformer_2.eval(), boundary)
+        model = WanExpertsAdapter(experts, pipe.scheduler, schedule, expand)
+    else:
+        model = WanAdapter(pipe.transformer.eval(), pipe.scheduler, schedule, expand)
     encoder = WanPromptEncoder(pipe, path, int(options.get("max_sequence_length", defaults["max_sequence_length"])),
                                text_dtype, device)
     meta = family_meta("wan", PIPELINE, COMPONENT, path, image_size, options, defaults)
