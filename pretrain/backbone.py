@@ -17,6 +17,7 @@ import copy
 
 import torch
 
+from pretrain.flow import cfg_combine
 from pretrain.schedule import sigma_schedule
 
 
@@ -48,6 +49,11 @@ class Backbone(torch.nn.Module):
         """The timestep input the denoiser receives at ``sigma`` (float32, shape of ``sigma``), in the
         wrapped model's own convention (SD3 / Wan: sigma x 1000); recorded on rollouts. Default: sigma."""
         return sigma.float()
+
+    def cfg_combine(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """The guided velocity from the two CFG branches (float32 ``[B, ...]`` each), the rule this family's
+        pipeline applies: :func:`pretrain.flow.cfg_combine` (Ho & Salimans 2022) by default."""
+        return cfg_combine(v_cond, v_uncond, guidance_scale)
 
     def experts(self, sigma: torch.Tensor) -> torch.Tensor | None:
         """Which expert of a mixture-of-denoisers (Wan2.2 A14B) takes a step at each of ``sigma`` ``[T]``:

@@ -34,10 +34,18 @@ def cfg_branches(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbe
     return v_cond, v_uncond
 
 
+def combine(model, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """The guided velocity of ``model``'s family, float32 like ``v_cond``: its ``cfg_combine`` (a
+    :class:`pretrain.backbone.Backbone` method; Qwen-Image rescales each token to the conditional
+    branch's norm), else :func:`pretrain.flow.cfg_combine` (a bare module)."""
+    rule = getattr(model, "cfg_combine", None)
+    return (rule or cfg_combine)(v_cond, v_uncond, guidance_scale)
+
+
 def guided_velocity(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds, null_embeds: PromptEmbeds,
                     guidance_scale: float) -> torch.Tensor:
-    """v = v_uncond + w (v_cond - v_uncond) (Ho & Salimans 2022, eq. 6 in velocity form), float32
-    ``[B, ...]``, the branches from :func:`cfg_branches`.
+    """v = v_uncond + w (v_cond - v_uncond) (Ho & Salimans 2022, eq. 6 in velocity form; the family's
+    rule, :func:`combine`), float32 ``[B, ...]``, the branches from :func:`cfg_branches`.
 
     ``model(x, sigma [B], embeds) -> v``; ``sigma`` a scalar or ``[B]``. With ``guidance_scale == 1``
     only the conditional branch runs."""
@@ -45,4 +53,4 @@ def guided_velocity(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptE
     sigma = sigma.expand(b) if sigma.ndim == 0 or sigma.shape[0] != b else sigma
     if guidance_scale == 1.0:
         return model(x, sigma, embeds)
-    return cfg_combine(*cfg_branches(model, x, sigma, embeds, null_embeds), guidance_scale)
+    return combine(model, *cfg_branches(model, x, sigma, embeds, null_embeds), guidance_scale)

@@ -1,5 +1,5 @@
 """How the two classifier-free-guidance branches are computed when a transition's log-prob is
-recomputed for training. The guidance equation itself (:func:`pretrain.flow.cfg_combine`) and the
+recomputed for training. The guidance equation itself (:func:`pretrain.guidance.combine`) and the
 step only see the velocities; this object decides where they come from, which changes speed and
 float rounding, never the value."""
 

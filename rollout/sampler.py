@@ -2,10 +2,10 @@
 trajectory recorded (step type, schedule, noise level, guidance, negative prompt), never anew.
 
 One transition (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470, eq. 9-10, step type ``sde``):
-v = cfg_combine(v_cond, v_uncond, guidance_scale) (Ho & Salimans 2022), then
-``step(x, v, sigma_t, sigma_t+1, noise_level)`` gives x_next and log p(x_next | x). Sampling
-(:meth:`Sampler.sample`) and the recomputation (:func:`log_prob`) both combine the branches with
-``cfg_combine`` and call the step type registered under the trajectory's recorded name. With an SDE
+v = cfg_combine(v_cond, v_uncond, guidance_scale) (Ho & Salimans 2022; the model family's own rule,
+:meth:`pretrain.backbone.Backbone.cfg_combine`), then ``step(x, v, sigma_t, sigma_t+1, noise_level)``
+gives x_next and log p(x_next | x). Sampling (:meth:`Sampler.sample`) and the recomputation
+(:func:`log_prob`) both combine the branches with it (:func:`pretrain.guidance.combine`) and call the step type registered under the trajectory's recorded name. With an SDE
 window, the transitions after it are taken by the recorded ODE solver (:mod:`rollout.ode_solver`);
 they are deterministic and never recomputed.
 """
@@ -18,8 +18,7 @@ from typing import Callable
 import torch
 
 from pretrain.data.dataset import EncodedSet
-from pretrain.flow import cfg_combine
-from pretrain.guidance import cfg_branches, guided_velocity
+from pretrain.guidance import cfg_branches, combine, guided_velocity
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 from rollout.branches import CFGBranches
@@ -117,7 +116,7 @@ class Sampler:
             sigma = sig[t].expand(x.shape[0])
             if record:  # copied out: a view would keep the whole 2B output of every step alive
                 v_cond, v_uncond = cfg_branches(model, x, sigma, embeds, null)
-                v = cfg_combine(v_cond, v_uncond, s.guidance_scale)
+                v = combine(model, v_cond, v_uncond, s.guidance_scale)
                 uncond[:, t] = v_uncond
             else:
                 v = guided_velocity(model, x, sigma, embeds, null, s.guidance_scale)
@@ -199,6 +198,6 @@ def log_prob(branches, traj: Trajectory, transitions: int | list[int]):
     embeds = traj.embeds if len(ts) == 1 else PromptEmbeds.cat([traj.embeds] * len(ts))
     recorded = None if traj.uncond_velocities is None else (lambda: transition_major(traj.uncond_velocities)(idx))
     v_cond, v_uncond = branches(x, sigma, embeds, s.negative.to(dev) if s.guidance_scale != 1.0 else None, recorded)
-    v = v_cond if v_uncond is None else cfg_combine(v_cond, v_uncond, s.guidance_scale)
+    v = v_cond if v_uncond is None else combine(branches.model, v_cond, v_uncond, s.guidance_scale)
     return get_step(s.step)(x, v, sigma, sigma_next, noise_level=s.noise_level_at(ts), sigma_after_one=sig[1],
                             prev_sample=prev)

@@ -17,6 +17,7 @@ import torch
 from pretrain.backbone import Backbone
 from pretrain.registry import Registry
 import pretrain.models.flux as flux
+import pretrain.models.qwenimage as qwenimage
 import pretrain.models.sd3 as sd3
 import pretrain.models.unet as unet
 import pretrain.models.wan as wan
@@ -81,6 +82,8 @@ FAMILIES: Registry = Registry("model family", {
                   overrides=("qk_norm",), pipelines=(wan.PIPELINE,), load=wan.load),
     "flux": Family(flux.FluxPresetAdapter, "FluxTransformer2DModel", flux.FLUX_PRESETS, flux.build,
                    pipelines=("FluxPipeline",), load=flux.load),
+    "qwenimage": Family(qwenimage.QwenImageAdapter, "QwenImageTransformer2DModel", pipelines=(qwenimage.PIPELINE,),
+                        load=qwenimage.load),
     "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),
                    pipelines=("StableDiffusionPipeline", "StableDiffusionXLPipeline"), load=unet.load,
                    finalize_export=unet.finalize_export, adapter_settings=unet.preset_settings),

@@ -1,6 +1,6 @@
 """Tiny tokenizers of the real classes for tiny pipeline folders (no downloads): a byte-level BPE
-``CLIPTokenizer`` and a ``T5TokenizerFast`` (also what UMT5 pipelines load) over a small unigram
-vocabulary."""
+``CLIPTokenizer``, a ``T5TokenizerFast`` (also what UMT5 pipelines load) over a small unigram
+vocabulary and a byte-level ``Qwen2TokenizerFast``."""
 
 from __future__ import annotations
 
@@ -30,3 +30,21 @@ def t5_tokenizer(model_max_length: int = 512):
     tok = T5TokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
                           extra_ids=0, model_max_length=model_max_length)
     return tok
+
+
+def qwen2_tokenizer(model_max_length: int = 2048):
+    """``Qwen2TokenizerFast``: byte-level BPE over the 256 byte symbols (no merges: one token per byte) plus
+    ``<|endoftext|>`` (pad, eos), ``<|im_start|>`` and ``<|im_end|>`` (Qwen's chat-template markers);
+    ids < 259."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    return Qwen2TokenizerFast(tokenizer_object=tk, unk_token=None, bos_token=None, eos_token=specials[0],
+                              pad_token=specials[0], additional_special_tokens=specials[1:],
+                              model_max_length=model_max_length)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pretrain.backbone import Backbone
 from pretrain.codec import VAECodec
 from pretrain.models.common import JOINT_ATTENTION, PipelinePromptEncoder
+from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.text_encoder import PromptEmbeds
 
 COMPONENT = "transformer"
@@ -68,26 +68,10 @@ class FluxAdapter(Backbone):
         self.guidance = float(guidance) if transformer.config.guidance_embeds else None
 
     def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
-        """The pipeline's schedule, float32 ``[n + 1]`` ending in 0: ``np.linspace(1, 1/n, n)`` through
-        a fresh copy of the folder's scheduler ``set_timesteps(sigmas=..., mu=calculate_shift(
-        image_seq_len, ...))``. A not-None ``shift`` replaces the dynamic shift by that fixed shift.
-        Raises ``ValueError`` for ``num_inference_steps < 1``."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-        n, cfg = num_inference_steps, self.scheduler_config
-        sigmas = None if cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
-        if shift is None:
-            scheduler = self.scheduler_class.from_config(cfg)
-            mu = calculate_shift(self.image_seq_len, cfg.get("base_image_seq_len", 256),
-                                 cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
-                                 cfg.get("max_shift", 1.15))
-            retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas, mu=mu)
-        else:
-            scheduler = self.scheduler_class.from_config(cfg, shift=float(shift), use_dynamic_shifting=False)
-            retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas)
-        return scheduler.sigmas.to(torch.float32).cpu()
+        """The pipeline's schedule (:func:`pretrain.models.flow_schedule.dynamic_shift_sigmas` at this
+        image's sequence length)."""
+        return dynamic_shift_sigmas(self.scheduler_class, self.scheduler_config, self.image_seq_len,
+                                    num_inference_steps, shift)
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """FLUX convention: the scheduler's timestep sigma * ``num_train_timesteps`` over 1000 (the

@@ -1,0 +1,175 @@
+"""Qwen-Image pipeline folders (diffusers ``QwenImagePipeline``; Qwen team 2025, arXiv 2508.02324):
+``QwenImageTransformer2DModel`` (an MMDiT with 3-axis RoPE), Qwen2.5-VL hidden states as text
+conditioning, the ``AutoencoderKLQwenImage`` causal 3D VAE used one frame at a time, and a
+``FlowMatchEulerDiscreteScheduler`` with a dynamic shift.
+
+As the pipeline does:
+
+- the sampler's state stays the unpacked latents ``[B, C, h, w]``; the adapter packs them into the
+  2 x 2-patch sequence ``[B, (h/2)(w/2), 4C]`` for every forward (``img_shapes`` ``(1, h/2, w/2)``) and
+  unpacks the velocity;
+- the timestep is the scheduler's (sigma x 1000, float32) cast to the weights' dtype, over 1000;
+- prompts go through the pipeline's own ``encode_prompt`` (its chat template, the template's first 34
+  tokens dropped): variable-length states, zero after each prompt's length. We pad them with zeros to
+  ``max_sequence_length`` so prompts cache and batch alike; the adapter cuts each batch back to its
+  longest prompt and masks the rest (``encoder_hidden_states_mask``; None when no row is padded, as the
+  pipeline passes it);
+- classifier-free guidance ("true CFG", ``true_cfg_scale`` with a negative prompt) rescales each token
+  of the guided velocity to the conditional branch's norm (:meth:`QwenImageAdapter.cfg_combine`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pretrain.backbone import Backbone
+from pretrain.models.common import (JOINT_ATTENTION, PipelinePromptEncoder, call_defaults, check_image_size,
+                                      checked_options, family_meta)
+from pretrain.models.flow_schedule import dynamic_shift_sigmas
+from pretrain.text_encoder import PromptEmbeds
+
+COMPONENT = "transformer"
+PIPELINE = "QwenImagePipeline"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTIONS = ("image_size", "guidance_scale", "num_inference_steps", "max_sequence_length", "dtype")
+
+
+def text_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, L]``: the positions of ``tokens`` ``[B, L, D]`` that are not all zero (the pipeline's
+    hidden states are zero exactly where its mask is 0)."""
+    return tokens.abs().amax(-1) > 0
+
+
+class QwenImageAdapter(Backbone):
+    """Wraps ``QwenImageTransformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) -> v``
+    float32 ``[B, C, h, w]`` (h, w even), ``embeds.tokens`` ``[B, L, D]`` zero-padded Qwen2.5-VL states,
+    ``embeds.pooled`` ``[B, 0]`` unused. ``image_seq_len`` (packed tokens of one image) sets the
+    scheduler's dynamic shift in :meth:`sigmas`. Blocks: ``transformer_blocks``."""
+
+    lora_targets = JOINT_ATTENTION
+    block_attrs = ("transformer_blocks",)
+
+    def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int):
+        super().__init__(transformer)
+        self.scheduler_class, self.scheduler_config = type(scheduler), dict(scheduler.config)
+        self.image_seq_len = int(image_seq_len)
+
+    def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
+        """The pipeline's schedule (:func:`pretrain.models.flow_schedule.dynamic_shift_sigmas`)."""
+        return dynamic_shift_sigmas(self.scheduler_class, self.scheduler_config, self.image_seq_len,
+                                    num_inference_steps, shift)
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The scheduler's timestep sigma * ``num_train_timesteps`` in the weights' dtype, over 1000
+        (``QwenImagePipeline``'s ``t.to(latents.dtype) / 1000``), returned as float32."""
+        return self._fed_timestep(sigma, next(self.transformer.parameters()).dtype).float()
+
+    def _fed_timestep(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = sigma.to(torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000)
+        return t.to(dtype) / 1000
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        b, c, h, w = x.shape
+        dtype, device = next(self.transformer.parameters()).dtype, x.device
+        tokens = embeds.tokens.to(device)
+        mask = text_mask(tokens)
+        length = max(int(mask.sum(1).max()), 1)
+        tokens, mask = tokens[:, :length], mask[:, :length]
+        packed = x.to(dtype).view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, 4 * c)
+        out = self.transformer(hidden_states=packed, timestep=self._fed_timestep(sigma.to(device), dtype),
+                               encoder_hidden_states=tokens.to(dtype),
+                               encoder_hidden_states_mask=None if bool(mask.all()) else mask.long(),
+                               img_shapes=[[(1, h // 2, w // 2)]] * b, guidance=None, return_dict=False)[0]
+        return out.float().view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+    def cfg_combine(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """``QwenImagePipeline``'s true CFG: g = v_uncond + w (v_cond - v_uncond), then each packed token
+        (a 2 x 2 patch over all channels) of g rescaled to the norm of v_cond's: g * |v_cond| / |g|.
+        ``[B, C, h, w]`` float32; ``guidance_scale`` 1 returns ``v_cond``."""
+        if guidance_scale == 1.0:
+            return v_cond
+        b, c, h, w = v_cond.shape
+        guided = (v_uncond + guidance_scale * (v_cond - v_uncond)).view(b, c, h // 2, 2, w // 2, 2)
+        norm = lambda v: v.view(b, c, h // 2, 2, w // 2, 2).pow(2).sum((1, 3, 5), keepdim=True).sqrt()  # noqa: E731
+        return (guided * (norm(v_cond) / norm(guided))).reshape(b, c, h, w)
+
+
+class QwenImageCodec:
+    """Images float ``[B, 3, H, W]`` in [0, 1] <-> latents ``[B, z_dim, H/8, W/8]`` through
+    ``AutoencoderKLQwenImage`` as one-frame videos, normalised per channel as ``QwenImagePipeline``
+    does: latents = (posterior mean - latents_mean) / latents_std; decoding inverts it and maps the VAE's
+    [-1, 1] to [0, 1] (clamped). Encoding uses the posterior mean (deterministic); outputs float32."""
+
+    def __init__(self, vae: torch.nn.Module):
+        self.vae = vae.eval().requires_grad_(False)
+        cfg = vae.config
+        self.channels = int(cfg.z_dim)
+        self.downsample = 2 ** len(cfg.temperal_downsample)
+        self.latents_mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, self.channels, 1, 1, 1)
+        self.latents_std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, self.channels, 1, 1, 1)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        return (self.channels, height // self.downsample, width // self.downsample)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        mean = self.vae.encode((images[:, :, None] * 2 - 1).to(self.vae.dtype)).latent_dist.mean.float()
+        return ((mean - self.latents_mean.to(mean.device)) / self.latents_std.to(mean.device))[:, :, 0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        z = latents[:, :, None].to(self.vae.dtype)
+        inv_std = 1.0 / self.latents_std.to(z.device, z.dtype)
+        image = self.vae.decode(z / inv_std + self.latents_mean.to(z.device, z.dtype), return_dict=False)[0][:, :, 0]
+        return (image.float() * 0.5 + 0.5).clamp(0, 1)
+
+
+class QwenImagePromptEncoder(PipelinePromptEncoder):
+    """``QwenImagePipeline.encode_prompt``: ``encode(prompts) -> PromptEmbeds(tokens [B,
+    max_sequence_length, D], pooled [B, 0])`` float32 on the CPU, each prompt's states then zeros
+    (the adapter derives the attention mask from them); states beyond ``max_sequence_length`` are cut, as
+    the pipeline cuts them. ``encode([""])`` is the empty negative prompt."""
+
+    name = "qwenimage"
+
+    def __init__(self, pipe, path: Path, max_sequence_length: int, dtype: str, device: str):
+        super().__init__(pipe, "qwenimage", path, max_sequence_length, dtype, device)
+        self.dim = int(pipe.text_encoder.config.text_config.hidden_size)
+        self.pooled_dim = 0
+
+    def encode_batch(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, _ = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
+        padded = tokens.new_zeros(tokens.shape[0], self.max_sequence_length, tokens.shape[2])
+        padded[:, :tokens.shape[1]] = tokens
+        return padded, tokens.new_zeros(tokens.shape[0], 0)
+
+
+def load(path: str | Path, device: str = "cpu", options: dict | None = None):
+    """Load a ``QwenImagePipeline`` folder: ``(QwenImageAdapter, QwenImagePromptEncoder, QwenImageCodec,
+    meta)``.
+
+    ``options``: ``image_size`` (pixels; default the pipeline's 1024; a multiple of vae_scale_factor x 2),
+    ``guidance_scale`` (true CFG, default the pipeline's 4.0), ``num_inference_steps`` (50),
+    ``max_sequence_length`` (512), ``dtype`` ("float32", "bfloat16", "float16"; Qwen2.5-VL and the
+    transformer load in it, the VAE stays float32). Raises ``ValueError`` naming the key for an unknown
+    option, a bad size or dtype."""
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
+
+    path = Path(path)
+    options, dtype = checked_options(options, OPTIONS, DTYPES, "Qwen-Image")
+    defaults = call_defaults(QwenImagePipeline, "num_inference_steps", "max_sequence_length")
+    defaults["guidance_scale"] = call_defaults(QwenImagePipeline, "true_cfg_scale")["true_cfg_scale"]
+    vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", dtype=torch.float32)
+    pipe = QwenImagePipeline.from_pretrained(str(path), vae=vae, dtype=DTYPES[dtype]).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    factor = pipe.vae_scale_factor * 2
+    size = check_image_size(int(options.get("image_size") or pipe.default_sample_size * pipe.vae_scale_factor), factor)
+    model = QwenImageAdapter(pipe.transformer.eval(), pipe.scheduler, (size // factor) ** 2)
+    text_pipe = QwenImagePipeline(scheduler=pipe.scheduler, vae=None, transformer=None, tokenizer=pipe.tokenizer,
+                                  text_encoder=pipe.text_encoder.eval().requires_grad_(False))
+    encoder = QwenImagePromptEncoder(text_pipe, path, int(options.get("max_sequence_length",
+                                                                      defaults["max_sequence_length"])), dtype, device)
+    meta = family_meta("qwenimage", PIPELINE, COMPONENT, path, size, options, defaults)
+    return model, encoder, QwenImageCodec(pipe.vae), meta
