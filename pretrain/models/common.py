@@ -89,3 +89,18 @@ def family_meta(family: str, pipeline: str, component: str, path: str | Path, im
                 "guidance_scale": float(options.get("guidance_scale", defaults["guidance_scale"])), "shift": None}
     return {"family": family, "pipeline": pipeline, "component": component, "source": str(path),
             "image_size": int(image_size), "sampling": sampling, "options": options}
+
+
+class SchedulerTimestep:
+    """Mixin of the adapters whose denoiser takes the scheduler's timestep over 1000 (FLUX.1, FLUX.2,
+    Qwen-Image): sigma * ``num_train_timesteps`` (float32), cast to the weights' dtype, divided by 1000,
+    as their pipelines compute ``t.to(latents.dtype) / 1000``. Needs ``transformer`` and
+    ``scheduler_config``."""
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """What :meth:`fed_timestep` gives the weights' dtype, returned as float32 (shape of ``sigma``)."""
+        return self.fed_timestep(sigma, next(self.transformer.parameters()).dtype).float()
+
+    def fed_timestep(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = sigma.to(torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000)
+        return t.to(dtype) / 1000

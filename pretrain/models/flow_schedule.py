@@ -42,15 +42,25 @@ def set_flow_timesteps(scheduler, num_inference_steps: int, schedule: str, mu: f
     scheduler.set_timesteps(num_inference_steps, device="cpu", sigmas=sigmas, mu=mu)
 
 
+def resolution_mu(config: dict, image_seq_len: int, num_inference_steps: int) -> float:
+    """FLUX.1's and Qwen-Image's dynamic shift: ``calculate_shift`` of the image sequence length between
+    the scheduler config's base and max (``num_inference_steps`` unused)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                           config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+
+
 def dynamic_shift_sigmas(scheduler_class, config: dict, image_seq_len: int, num_inference_steps: int,
-                         shift: float | None = None):
-    """The schedule of FLUX-style pipelines (``FluxPipeline``, ``QwenImagePipeline``), float32 ``[n + 1]``
-    ending in 0: ``np.linspace(1, 1/n, n)`` through a fresh copy of the folder's scheduler
-    ``set_timesteps(sigmas=..., mu=calculate_shift(image_seq_len, ...))`` (its own sigmas when it has
-    ``use_flow_sigmas``). A not-None ``shift`` replaces the dynamic shift by that fixed shift. Raises
-    ``ValueError`` for ``num_inference_steps < 1``."""
+                         shift: float | None = None, mu_of=resolution_mu):
+    """The schedule of FLUX-style pipelines (``FluxPipeline``, ``QwenImagePipeline``,
+    ``Flux2KleinPipeline``), float32 ``[n + 1]`` ending in 0: ``np.linspace(1, 1/n, n)`` through a fresh
+    copy of the folder's scheduler ``set_timesteps(sigmas=..., mu=mu_of(config, image_seq_len, n))`` (its
+    own sigmas when it has ``use_flow_sigmas``; ``mu_of`` the pipeline's rule, :func:`resolution_mu` by
+    default). A not-None ``shift`` replaces the dynamic shift by that fixed shift. Raises ``ValueError``
+    for ``num_inference_steps < 1``."""
     import torch
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+    from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
@@ -58,9 +68,7 @@ def dynamic_shift_sigmas(scheduler_class, config: dict, image_seq_len: int, num_
     sigmas = None if cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
     if shift is None:
         scheduler = scheduler_class.from_config(cfg)
-        mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-        retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas, mu=mu)
+        retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas, mu=mu_of(cfg, image_seq_len, n))
     else:
         scheduler = scheduler_class.from_config(cfg, shift=float(shift), use_dynamic_shifting=False)
         retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas)

@@ -17,6 +17,7 @@ import torch
 from pretrain.backbone import Backbone
 from pretrain.registry import Registry
 import pretrain.models.flux as flux
+import pretrain.models.flux2 as flux2
 import pretrain.models.qwenimage as qwenimage
 import pretrain.models.sd3 as sd3
 import pretrain.models.unet as unet
@@ -82,6 +83,7 @@ FAMILIES: Registry = Registry("model family", {
                   overrides=("qk_norm",), pipelines=(wan.PIPELINE,), load=wan.load),
     "flux": Family(flux.FluxPresetAdapter, "FluxTransformer2DModel", flux.FLUX_PRESETS, flux.build,
                    pipelines=("FluxPipeline",), load=flux.load),
+    "flux2": Family(flux2.Flux2Adapter, "Flux2Transformer2DModel", pipelines=(flux2.PIPELINE,), load=flux2.load),
     "qwenimage": Family(qwenimage.QwenImageAdapter, "QwenImageTransformer2DModel", pipelines=(qwenimage.PIPELINE,),
                         load=qwenimage.load),
     "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),

@@ -9,6 +9,7 @@ import torch
 from pretrain.export import load_exported
 from pretrain.sampling import initial_noise, sample_latents
 from tests.conftest import grpo_config
+from tests.families.export_checks import export_vs_pipeline, max_diff
 
 pytestmark = pytest.mark.core
 
@@ -70,10 +71,6 @@ def pipeline_images(pipe, prompts, noise, steps=STEPS, scale=SCALE, size=SIZE):
                   num_inference_steps=steps, height=size, width=size, max_sequence_length=192, output_type="pt",
                   callback_on_step_end=keep).images
     return seen["latents"], images
-
-
-def max_diff(a, b) -> float:
-    return (torch.as_tensor(a).float() - torch.as_tensor(b).float()).abs().max().item()
 
 
 def test_sampler_encoder_schedule_and_guidance_match_the_pipeline(qwen_folder, capsys):
@@ -150,20 +147,11 @@ def test_grpo_iteration_exports_and_a_lora_that_load_in_diffusers(qwen_folder, t
     export = train(cfg)
     recs = read_metrics(tmp_path / "grpo/metrics.jsonl")
     assert abs(recs[0]["ratio_min"] - 1) <= 1e-5 and abs(recs[0]["ratio_max"] - 1) <= 1e-5
-    model, encoder, codec, meta = load_exported(export, options={"max_sequence_length": 192})
-    assert meta["image_size"] == SIZE
-    noise = initial_noise(1, codec.latent_shape(SIZE, SIZE), 0)
-    ours = codec.decode(sample_latents(model, encoder.encode(PROMPTS[:1]), encoder.encode([""]), noise, 3, SCALE, None))
-
-    def run(pipe):
-        pipe.set_progress_bar_config(disable=True)
-        return pipeline_images(pipe, PROMPTS[:1], noise, steps=3)[1]
-
-    d_export = max_diff(run(QwenImagePipeline.from_pretrained(export)), ours)
-    with_lora = QwenImagePipeline.from_pretrained(qwen_folder)
-    with_lora.load_lora_weights(str(tmp_path / "grpo/lora"))
-    d_lora = max_diff(run(with_lora), ours)
-    d_base = max_diff(run(QwenImagePipeline.from_pretrained(qwen_folder)), ours)
+    assert load_exported(export)[3]["image_size"] == SIZE
+    d_export, d_lora, d_base = export_vs_pipeline(
+        QwenImagePipeline, qwen_folder, export, tmp_path / "grpo/lora",
+        lambda pipe, noise: pipeline_images(pipe, PROMPTS[:1], noise, steps=3)[1], size=SIZE, steps=3, scale=SCALE,
+        prompt=PROMPTS[0], options={"max_sequence_length": 192})
     with capsys.disabled():
         print(f"\nqwen-image GRPO export: QwenImagePipeline(export) vs ours {d_export:.2e}; "
               f"base + lora/ {d_lora:.2e}; base (trained change) {d_base:.2e}")

@@ -15,7 +15,7 @@ import torch
 
 from pretrain.backbone import Backbone
 from pretrain.codec import VAECodec
-from pretrain.models.common import JOINT_ATTENTION, PipelinePromptEncoder
+from pretrain.models.common import JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep
 from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.text_encoder import PromptEmbeds
 
@@ -25,7 +25,7 @@ DEFAULTS = {"guidance": 3.5, "max_sequence_length": 512, "num_inference_steps": 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class FluxAdapter(Backbone):
+class FluxAdapter(SchedulerTimestep, Backbone):
     """Wraps ``FluxTransformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) -> v``
     float32 ``[B, C, h, w]`` (h, w even).
 
@@ -73,23 +73,12 @@ class FluxAdapter(Backbone):
         return dynamic_shift_sigmas(self.scheduler_class, self.scheduler_config, self.image_seq_len,
                                     num_inference_steps, shift)
 
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        """FLUX convention: the scheduler's timestep sigma * ``num_train_timesteps`` over 1000 (the
-        transformer multiplies by 1000 itself), rounded as ``FluxPipeline`` rounds it: cast to the
-        weights' dtype before the division (``t.to(latents.dtype) / 1000``), so bf16 weights receive
-        bf16 timesteps. Returned as float32 (shape of ``sigma``); exactly what :meth:`forward` feeds."""
-        return self._fed_timestep(sigma, next(self.transformer.parameters()).dtype).float()
-
-    def _fed_timestep(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        t = sigma.to(torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000)
-        return t.to(dtype) / 1000  # what FluxPipeline passes: scheduler timestep (in its dtype) / 1000
-
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         from diffusers import FluxPipeline
 
         b, c, h, w = x.shape
         dtype, device = next(self.transformer.parameters()).dtype, x.device
-        timestep = self._fed_timestep(sigma.to(device), dtype)
+        timestep = self.fed_timestep(sigma.to(device), dtype)
         guidance = None if self.guidance is None else torch.full([b], self.guidance, device=device)
         out = self.transformer(
             hidden_states=FluxPipeline._pack_latents(x.to(dtype), b, c, h, w), timestep=timestep,

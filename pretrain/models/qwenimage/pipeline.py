@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from pretrain.backbone import Backbone
-from pretrain.models.common import (JOINT_ATTENTION, PipelinePromptEncoder, call_defaults, check_image_size,
-                                      checked_options, family_meta)
+from pretrain.models.common import (JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep, call_defaults,
+                                      check_image_size, checked_options, family_meta)
 from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.text_encoder import PromptEmbeds
 
@@ -42,7 +42,7 @@ def text_mask(tokens: torch.Tensor) -> torch.Tensor:
     return tokens.abs().amax(-1) > 0
 
 
-class QwenImageAdapter(Backbone):
+class QwenImageAdapter(SchedulerTimestep, Backbone):
     """Wraps ``QwenImageTransformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) -> v``
     float32 ``[B, C, h, w]`` (h, w even), ``embeds.tokens`` ``[B, L, D]`` zero-padded Qwen2.5-VL states,
     ``embeds.pooled`` ``[B, 0]`` unused. ``image_seq_len`` (packed tokens of one image) sets the
@@ -61,15 +61,6 @@ class QwenImageAdapter(Backbone):
         return dynamic_shift_sigmas(self.scheduler_class, self.scheduler_config, self.image_seq_len,
                                     num_inference_steps, shift)
 
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        """The scheduler's timestep sigma * ``num_train_timesteps`` in the weights' dtype, over 1000
-        (``QwenImagePipeline``'s ``t.to(latents.dtype) / 1000``), returned as float32."""
-        return self._fed_timestep(sigma, next(self.transformer.parameters()).dtype).float()
-
-    def _fed_timestep(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        t = sigma.to(torch.float32) * self.scheduler_config.get("num_train_timesteps", 1000)
-        return t.to(dtype) / 1000
-
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         b, c, h, w = x.shape
         dtype, device = next(self.transformer.parameters()).dtype, x.device
@@ -78,7 +69,7 @@ class QwenImageAdapter(Backbone):
         length = max(int(mask.sum(1).max()), 1)
         tokens, mask = tokens[:, :length], mask[:, :length]
         packed = x.to(dtype).view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, 4 * c)
-        out = self.transformer(hidden_states=packed, timestep=self._fed_timestep(sigma.to(device), dtype),
+        out = self.transformer(hidden_states=packed, timestep=self.fed_timestep(sigma.to(device), dtype),
                                encoder_hidden_states=tokens.to(dtype),
                                encoder_hidden_states_mask=None if bool(mask.all()) else mask.long(),
                                img_shapes=[[(1, h // 2, w // 2)]] * b, guidance=None, return_dict=False)[0]
