@@ -52,6 +52,23 @@ class PipelinePromptEncoder:
         return PromptEmbeds.cat(out)
 
 
+def text_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, L]``: the positions of ``tokens`` ``[B, L, D]`` that are not all zero. Families whose
+    pipelines give each prompt its own length (Qwen-Image, Z-Image) pad them with zeros, and a text
+    encoder's hidden state is never exactly zero, so this is the pipeline's mask."""
+    return tokens.abs().amax(-1) > 0
+
+
+def prompt_encoder_of(encoder_cls, pipe, path: str | Path, options: dict, defaults: dict, dtype: str, device: str):
+    """``encoder_cls`` (a :class:`PipelinePromptEncoder` of a single-text-encoder pipeline: Qwen-Image,
+    FLUX.2 [klein], Z-Image) over a pipeline of ``pipe``'s class holding only its scheduler, tokenizer and
+    frozen text encoder, at ``options["max_sequence_length"]`` (else ``defaults``')."""
+    text_pipe = type(pipe)(scheduler=pipe.scheduler, vae=None, transformer=None, tokenizer=pipe.tokenizer,
+                           text_encoder=pipe.text_encoder.eval().requires_grad_(False))
+    length = int(options.get("max_sequence_length", defaults["max_sequence_length"]))
+    return encoder_cls(text_pipe, Path(path), length, dtype, device)
+
+
 def call_defaults(pipeline_cls, *names: str) -> dict:
     """The defaults of ``pipeline_cls.__call__``'s parameters ``names`` (e.g. ``guidance_scale``,
     ``num_inference_steps``, ``max_sequence_length``), read from its signature."""

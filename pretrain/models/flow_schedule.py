@@ -52,20 +52,20 @@ def resolution_mu(config: dict, image_seq_len: int, num_inference_steps: int) ->
 
 
 def dynamic_shift_sigmas(scheduler_class, config: dict, image_seq_len: int, num_inference_steps: int,
-                         shift: float | None = None, mu_of=resolution_mu):
+                         shift: float | None = None, mu_of=resolution_mu, base=None):
     """The schedule of FLUX-style pipelines (``FluxPipeline``, ``QwenImagePipeline``,
     ``Flux2KleinPipeline``), float32 ``[n + 1]`` ending in 0: ``np.linspace(1, 1/n, n)`` through a fresh
     copy of the folder's scheduler ``set_timesteps(sigmas=..., mu=mu_of(config, image_seq_len, n))`` (its
     own sigmas when it has ``use_flow_sigmas``; ``mu_of`` the pipeline's rule, :func:`resolution_mu` by
-    default). A not-None ``shift`` replaces the dynamic shift by that fixed shift. Raises ``ValueError``
-    for ``num_inference_steps < 1``."""
+    default; ``base(n)`` replaces the linspace, as Z-Image's float32 one does). A not-None ``shift``
+    replaces the dynamic shift by that fixed shift. Raises ``ValueError`` for ``num_inference_steps < 1``."""
     import torch
     from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
     n, cfg = num_inference_steps, dict(config)
-    sigmas = None if cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
+    sigmas = None if cfg.get("use_flow_sigmas") else base(n) if base else np.linspace(1.0, 1 / n, n)
     if shift is None:
         scheduler = scheduler_class.from_config(cfg)
         retrieve_timesteps(scheduler, n, "cpu", sigmas=sigmas, mu=mu_of(cfg, image_seq_len, n))

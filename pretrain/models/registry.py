@@ -22,6 +22,7 @@ import pretrain.models.qwenimage as qwenimage
 import pretrain.models.sd3 as sd3
 import pretrain.models.unet as unet
 import pretrain.models.wan as wan
+import pretrain.models.zimage as zimage
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ FAMILIES: Registry = Registry("model family", {
     "flux2": Family(flux2.Flux2Adapter, "Flux2Transformer2DModel", pipelines=(flux2.PIPELINE,), load=flux2.load),
     "qwenimage": Family(qwenimage.QwenImageAdapter, "QwenImageTransformer2DModel", pipelines=(qwenimage.PIPELINE,),
                         load=qwenimage.load),
+    "zimage": Family(zimage.ZImageAdapter, "ZImageTransformer2DModel", pipelines=(zimage.PIPELINE,), load=zimage.load),
     "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),
                    pipelines=("StableDiffusionPipeline", "StableDiffusionXLPipeline"), load=unet.load,
                    finalize_export=unet.finalize_export, adapter_settings=unet.preset_settings),

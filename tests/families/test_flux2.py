@@ -2,15 +2,13 @@
 randomly initialised folder (1 double + 1 single block, a 28-layer Qwen3 of width 16, a 2-level VAE
 whose batch-norm statistics are not the identity)."""
 
-import itertools
-
 import pytest
 import torch
 
 from pretrain.export import load_exported
 from pretrain.sampling import initial_noise, sample_latents
 from tests.conftest import grpo_config
-from tests.families.export_checks import export_vs_pipeline, max_diff
+from tests.families.family_checks import export_vs_pipeline, max_diff, worst_ratio_deviation
 
 pytestmark = pytest.mark.core
 
@@ -107,28 +105,12 @@ def test_sampler_encoder_schedule_and_codec_match_the_pipeline(flux2_folder, cap
 def test_rollout_log_probs_recomputed_and_grpo_export_and_lora_load_in_diffusers(flux2_folder, tmp_path, capsys):
     from diffusers import Flux2KleinPipeline
 
-    from posttrain.grpo.stage import train
-    from pretrain.data.dataset import EncodedSet
-    from pretrain.runtime.metrics import read_metrics
-    from rollout.sampler import log_prob
-    from tests.conftest import sampler_rollout
-    from tests.families.lora_policy import perturbed_lora_policy
+    from safetensors.torch import load_file
 
-    model, encoder, codec, _ = load_exported(flux2_folder, options=OPTIONS)
-    captions = PROMPTS + ["a face", "the flag"]
-    prompts = EncodedSet(torch.zeros(4, 3, 16, 16, dtype=torch.uint8), captions, encoder.encode(captions))
-    perturbed_lora_policy(model)
-    assert any("single_transformer_blocks" in n and "lora_B" in n for n, _ in model.named_parameters())
-    traj = sampler_rollout(model.eval(), codec, prompts, [0, 1, 2], group=2, batch=4, null=encoder.encode([""]),
-                           sigmas=model.sigmas(STEPS), noise=0.7, scale=SCALE,
-                           latent_shape=codec.latent_shape(SIZE, SIZE))
-    model.train()
-    worst = 0.0
-    with torch.enable_grad():
-        for start, t in itertools.product((0, 3), range(STEPS)):
-            mb = traj.select(torch.arange(start, start + 3))
-            ratio = torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t])
-            worst = max(worst, (ratio - 1).abs().max().item())
+    from posttrain.grpo.stage import train
+    from pretrain.runtime.metrics import read_metrics
+
+    worst = worst_ratio_deviation(flux2_folder, OPTIONS, [*PROMPTS, "a face", "the flag"], STEPS, SCALE, SIZE)
     assert worst <= 1e-5, worst
 
     cfg = grpo_config(tmp_path, flux2_folder, f"model.options.image_size={SIZE}",
@@ -140,6 +122,8 @@ def test_rollout_log_probs_recomputed_and_grpo_export_and_lora_load_in_diffusers
     export = train(cfg)
     recs = read_metrics(tmp_path / "grpo/metrics.jsonl")
     assert abs(recs[0]["ratio_min"] - 1) <= 1e-5 and abs(recs[0]["ratio_max"] - 1) <= 1e-5
+    lora = load_file(str(tmp_path / "grpo/lora/pytorch_lora_weights.safetensors"))
+    assert any("single_transformer_blocks" in k and "to_qkv_mlp_proj" in k for k in lora)  # both block kinds
     d_export, d_lora, d_base = export_vs_pipeline(
         Flux2KleinPipeline, flux2_folder, export, tmp_path / "grpo/lora",
         lambda pipe, noise: pipeline_images(pipe, PROMPTS[:1], noise, steps=3)[1], size=SIZE, steps=3, scale=SCALE,

@@ -1,15 +1,13 @@
 """Qwen-Image family (``pretrain.models.qwenimage``) against diffusers' ``QwenImagePipeline`` on a tiny
 randomly initialised folder (2-block transformer, 2-layer Qwen2.5-VL, 4-channel causal VAE)."""
 
-import itertools
-
 import pytest
 import torch
 
 from pretrain.export import load_exported
 from pretrain.sampling import initial_noise, sample_latents
 from tests.conftest import grpo_config
-from tests.families.export_checks import export_vs_pipeline, max_diff
+from tests.families.family_checks import export_vs_pipeline, max_diff, worst_ratio_deviation
 
 pytestmark = pytest.mark.core
 
@@ -110,25 +108,8 @@ def test_sampler_encoder_schedule_and_guidance_match_the_pipeline(qwen_folder, c
 
 
 def test_rollout_log_probs_recomputed_in_training_equal_rollout(qwen_folder):
-    from pretrain.data.dataset import EncodedSet
-    from rollout.sampler import log_prob
-    from tests.conftest import sampler_rollout
-    from tests.families.lora_policy import perturbed_lora_policy
-
-    model, encoder, codec, _ = load_exported(qwen_folder, options=OPTIONS)
-    captions = PROMPTS + ["a face", "the flag"]
-    prompts = EncodedSet(torch.zeros(4, 3, 16, 16, dtype=torch.uint8), captions, encoder.encode(captions))
-    perturbed_lora_policy(model)
-    traj = sampler_rollout(model.eval(), codec, prompts, [0, 1, 2], group=2, batch=4, null=encoder.encode([""]),
-                           sigmas=model.sigmas(STEPS), noise=0.7, scale=SCALE,
-                           latent_shape=codec.latent_shape(SIZE, SIZE))
-    model.train()
-    worst = 0.0
-    with torch.enable_grad():  # mini-batches of 3 (not the rollout's 4): other prompt lengths per batch
-        for start, t in itertools.product((0, 3), range(STEPS)):
-            mb = traj.select(torch.arange(start, start + 3))
-            ratio = torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t])
-            worst = max(worst, (ratio - 1).abs().max().item())
+    # mini-batches of 3 (not the rollout's 4): other prompt lengths, so other masks, per batch
+    worst = worst_ratio_deviation(qwen_folder, OPTIONS, [*PROMPTS, "a face", "the flag"], STEPS, SCALE, SIZE)
     assert worst <= 1e-5, worst
 
 

@@ -1,8 +1,6 @@
 """Wan2.2 TI2V (``expand_timesteps``: per-token timesteps; a VAE that packs 2 x 2 pixels and downsamples
 by 16) text-to-video against diffusers' ``WanPipeline`` on a tiny randomly initialised folder."""
 
-import itertools
-
 import pytest
 import torch
 
@@ -63,25 +61,10 @@ def test_ti2v_rollout_log_probs_and_grpo_export_load_in_diffusers(ti2v_folder, t
     from diffusers import WanPipeline
 
     from posttrain.grpo.stage import train
-    from pretrain.data.dataset import EncodedSet
-    from rollout.sampler import log_prob
-    from tests.conftest import sampler_rollout
-    from tests.families.lora_policy import perturbed_lora_policy
+    from tests.families.family_checks import worst_ratio_deviation
 
-    model, encoder, codec, _ = load_exported(ti2v_folder, options={"num_frames": FRAMES, "image_size": SIZE,
-                                                                   "max_sequence_length": 16})
-    captions = PROMPTS + ["a face", "the flag"]
-    prompts = EncodedSet(torch.zeros(4, 3, 16, 16, dtype=torch.uint8), captions, encoder.encode(captions))
-    perturbed_lora_policy(model)
-    traj = sampler_rollout(model.eval(), codec, prompts, [0, 1], group=2, batch=4, null=encoder.encode([""]),
-                           sigmas=model.sigmas(STEPS), noise=0.7, scale=SCALE, latent_shape=codec.latent_shape(SIZE, SIZE))
-    model.train()
-    worst = 0.0
-    with torch.enable_grad():
-        for start, t in itertools.product((0, 1), range(STEPS)):
-            mb = traj.select(torch.arange(start, start + 3))
-            ratio = torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t])
-            worst = max(worst, (ratio - 1).abs().max().item())
+    worst = worst_ratio_deviation(ti2v_folder, {"num_frames": FRAMES, "image_size": SIZE, "max_sequence_length": 16},
+                                  [*PROMPTS, "a face", "the flag"], STEPS, SCALE, SIZE)
     assert worst <= 1e-5, worst
 
     cfg = grpo_config(tmp_path, ti2v_folder, f"model.options.num_frames={FRAMES}", f"model.options.image_size={SIZE}",

@@ -20,7 +20,7 @@ import torch
 
 from pretrain.backbone import Backbone
 from pretrain.models.common import (JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep, call_defaults,
-                                      check_image_size, checked_options, family_meta)
+                                      check_image_size, checked_options, family_meta, prompt_encoder_of)
 from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.text_encoder import PromptEmbeds
 
@@ -146,9 +146,6 @@ def load(path: str | Path, device: str = "cpu", options: dict | None = None):
     factor = pipe.vae_scale_factor * 2
     size = check_image_size(int(options.get("image_size") or pipe.default_sample_size * pipe.vae_scale_factor), factor)
     model = Flux2Adapter(pipe.transformer.eval(), pipe.scheduler, (size // factor) ** 2)
-    text_pipe = Flux2KleinPipeline(scheduler=pipe.scheduler, vae=None, transformer=None, tokenizer=pipe.tokenizer,
-                                   text_encoder=pipe.text_encoder.eval().requires_grad_(False))
-    encoder = Flux2PromptEncoder(text_pipe, path, int(options.get("max_sequence_length",
-                                                                  defaults["max_sequence_length"])), dtype, device)
+    encoder = prompt_encoder_of(Flux2PromptEncoder, pipe, path, options, defaults, dtype, device)
     meta = family_meta("flux2", PIPELINE, COMPONENT, path, size, options, defaults)
     return model, encoder, Flux2Codec(pipe.vae), meta

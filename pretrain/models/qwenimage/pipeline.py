@@ -26,7 +26,7 @@ import torch
 
 from pretrain.backbone import Backbone
 from pretrain.models.common import (JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep, call_defaults,
-                                      check_image_size, checked_options, family_meta)
+                                      check_image_size, checked_options, family_meta, prompt_encoder_of, text_mask)
 from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.text_encoder import PromptEmbeds
 
@@ -34,12 +34,6 @@ COMPONENT = "transformer"
 PIPELINE = "QwenImagePipeline"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIONS = ("image_size", "guidance_scale", "num_inference_steps", "max_sequence_length", "dtype")
-
-
-def text_mask(tokens: torch.Tensor) -> torch.Tensor:
-    """bool ``[B, L]``: the positions of ``tokens`` ``[B, L, D]`` that are not all zero (the pipeline's
-    hidden states are zero exactly where its mask is 0)."""
-    return tokens.abs().amax(-1) > 0
 
 
 class QwenImageAdapter(SchedulerTimestep, Backbone):
@@ -158,9 +152,6 @@ def load(path: str | Path, device: str = "cpu", options: dict | None = None):
     factor = pipe.vae_scale_factor * 2
     size = check_image_size(int(options.get("image_size") or pipe.default_sample_size * pipe.vae_scale_factor), factor)
     model = QwenImageAdapter(pipe.transformer.eval(), pipe.scheduler, (size // factor) ** 2)
-    text_pipe = QwenImagePipeline(scheduler=pipe.scheduler, vae=None, transformer=None, tokenizer=pipe.tokenizer,
-                                  text_encoder=pipe.text_encoder.eval().requires_grad_(False))
-    encoder = QwenImagePromptEncoder(text_pipe, path, int(options.get("max_sequence_length",
-                                                                      defaults["max_sequence_length"])), dtype, device)
+    encoder = prompt_encoder_of(QwenImagePromptEncoder, pipe, path, options, defaults, dtype, device)
     meta = family_meta("qwenimage", PIPELINE, COMPONENT, path, size, options, defaults)
     return model, encoder, QwenImageCodec(pipe.vae), meta
