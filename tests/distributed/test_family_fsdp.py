@@ -1,5 +1,6 @@
-"""FSDP2 over the blocks of the other families' denoisers (FLUX double + single blocks, a UNet's
-down / mid / up blocks): 2 ranks on half a batch each equal one process on the whole batch."""
+"""FSDP2 over the blocks of the other families' denoisers (FLUX.1 and FLUX.2 double + single blocks,
+Qwen-Image's blocks, Z-Image's refiners and layers, a UNet's down / mid / up blocks): 2 ranks on half a
+batch each equal one process on the whole batch."""
 
 import pytest
 import torch
@@ -51,6 +52,61 @@ def unet():
     return model, loss
 
 
+def qwenimage():
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                        axes_dims_rope=(4, 6, 6))
+
+    def loss(m, rows):
+        g = torch.Generator().manual_seed(1)
+        x, txt, t = torch.randn(4, 16, 16, generator=g), torch.randn(4, 5, 32, generator=g), torch.rand(4, generator=g)
+        n = len(range(*rows.indices(4)))
+        return m(hidden_states=x[rows], encoder_hidden_states=txt[rows], timestep=t[rows],
+                 img_shapes=[[(1, 4, 4)]] * n, return_dict=False)[0].pow(2).mean()
+    return model, loss
+
+
+def flux2():
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                    timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+
+    def loss(m, rows):
+        g = torch.Generator().manual_seed(1)
+        x, txt, t = torch.randn(4, 16, 16, generator=g), torch.randn(4, 5, 48, generator=g), torch.rand(4, generator=g)
+        img = torch.cartesian_prod(torch.arange(1), torch.arange(4), torch.arange(4), torch.arange(1))
+        txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(5))
+        n = len(range(*rows.indices(4)))
+        out = m(hidden_states=x[rows], encoder_hidden_states=txt[rows], timestep=t[rows],
+                img_ids=img.expand(n, -1, -1), txt_ids=txt_ids.expand(n, -1, -1), return_dict=False)[0]
+        return out.pow(2).mean()
+    return model, loss
+
+
+def zimage():
+    from diffusers import ZImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
+                                     n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6],
+                                     axes_lens=[256, 32, 32])
+
+    def loss(m, rows):
+        g = torch.Generator().manual_seed(1)
+        x, t = torch.randn(4, 4, 1, 8, 8, generator=g), torch.rand(4, generator=g)
+        caps = [torch.randn(3 + i, 16, generator=g) for i in range(4)]  # captions of other lengths
+        idx = range(*rows.indices(4))
+        out = m([x[i] for i in idx], t[rows], [caps[i] for i in idx], return_dict=False)[0]
+        return torch.stack(out).pow(2).mean()
+    return model, loss
+
+
 def _family_fsdp(rank, world, build):
     mesh = ParallelDims().build_mesh()
     ref, loss = build()
@@ -67,7 +123,10 @@ def _family_fsdp(rank, world, build):
                 grad_max=max(float(g.abs().max()) for g in want.values()))
 
 
-@pytest.mark.parametrize("build,units", [(flux, 3), pytest.param(unet, 5, marks=pytest.mark.long)])  # 1 double + 2 single; 2 down, mid, 2 up
+# FLUX.1 and FLUX.2: 1 double + 2 single blocks; Qwen-Image: 2 blocks; Z-Image: a noise refiner, a caption
+# refiner and 2 joint layers; the UNet: 2 down, mid, 2 up
+@pytest.mark.parametrize("build,units", [(flux, 3), (flux2, 3), (qwenimage, 2), (zimage, 4),
+                                         pytest.param(unet, 5, marks=pytest.mark.long)])
 def test_fsdp_shards_every_block_and_matches_one_process(build, units):
     for r in run_ranks(_family_fsdp, build):
         print(build.__name__, r)
