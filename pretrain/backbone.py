@@ -132,6 +132,12 @@ class Backbone(torch.nn.Module):
     """This family's tensor-parallel plan (module-name pattern -> style, :mod:`pretrain.parallel.tensor`);
     None: the family has none."""
 
+    tp_local_heads: bool = True
+    """Under TP, set each attention module's ``heads`` to this rank's count (processors that reshape by
+    ``attn.heads``, as SD3's, FLUX's and Wan's do). False for processors that derive ``head_dim`` from
+    ``inner_dim / heads`` and let the head count follow the sharded width (Qwen-Image's): they need the
+    global count."""
+
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
         """The plan :func:`pretrain.parallel.tensor.apply_tensor_parallel` applies for TP degree ``tp``:
         :attr:`tp_plan`. Raises ``ValueError`` naming the adapter class when the family has no plan, or

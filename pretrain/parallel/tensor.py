@@ -123,7 +123,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
     (``model.tensor_parallel_plan(tp)``; see the module docstring); returns the number of layers sharded.
     Call on every rank of the TP group with identical weights, before activation checkpointing, compile
     and FSDP2 (torchtitan's order). Attention modules are left with this rank's head count
-    (:func:`local_heads`). Raises ``ValueError`` from the family (no plan, heads not divisible
+    (:func:`local_heads`) unless the adapter's ``tp_local_heads`` is False. Raises ``ValueError`` from the family (no plan, heads not divisible
     by the TP degree) or :func:`expand_plan`."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
@@ -131,7 +131,8 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> int:
 
     tp = mesh.size()
     plan = expand_plan(model.transformer, model.tensor_parallel_plan(tp))  # validates before any change
-    local_heads(model.transformer, tp)
+    if getattr(model, "tp_local_heads", True):
+        local_heads(model.transformer, tp)
     sharded = 0
     for name, module, style in plan:
         if style == "norm_across_heads":

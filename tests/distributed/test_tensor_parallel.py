@@ -1,4 +1,4 @@
-"""Tensor parallelism of SD3, FLUX and Wan (``pretrain/parallel/tensor.py`` with each family's plan):
+"""Tensor parallelism of SD3, FLUX, Wan and Qwen-Image (``pretrain/parallel/tensor.py`` with each family's plan):
 TP = 2 on 2 ranks, and TP = 2 x FSDP = 2 on 4 ranks (with activation checkpointing), equal one process -- forward outputs within 1e-5,
 LoRA gradients within 1e-5 relative, and after an optimizer step the gathered adapter weights."""
 
@@ -59,7 +59,25 @@ def wan():
     return model, (x, torch.rand(4, generator=g), embeds), torch.randn(4, 12, 2, 8, 8, generator=g)
 
 
-FAMILIES = {"sd3": sd3, "flux": flux, "wan": wan}
+def qwenimage():
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    from pretrain.models.qwenimage import QwenImageAdapter
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2,
+                                              joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6))
+    model = QwenImageAdapter(transformer, FlowMatchEulerDiscreteScheduler(), image_seq_len=16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 4, 8, 8, generator=g)
+    tokens = torch.randn(4, 6, TEXT_DIM, generator=g)
+    tokens[0, 4:] = 0  # one prompt shorter than the rest: the batch is masked
+    embeds = PromptEmbeds(tokens, torch.zeros(4, 0))
+    return model, (x, torch.rand(4, generator=g), embeds), torch.randn(4, 4, 8, 8, generator=g)
+
+
+FAMILIES = {"sd3": sd3, "flux": flux, "wan": wan, "qwenimage": qwenimage}
 
 
 def with_lora(model):
@@ -108,14 +126,16 @@ def _tp_equals_one_process(rank, world, family, lora, dp_shard, checkpointing=Fa
                 param_diff=max(float((params[k] - params_ref[k]).abs().max()) for k in params_ref))
 
 
-@pytest.mark.parametrize("family,lora", [  # make test: SD3 with LoRA; make test-all: every family, full too
-    pytest.param("sd3", True, id="lora-sd3"),
+@pytest.mark.parametrize("family,lora", [  # make test: SD3 and Qwen-Image with LoRA; make test-all: every family
+    pytest.param("sd3", True, id="lora-sd3"), pytest.param("qwenimage", True, id="lora-qwenimage"),
     *(pytest.param(f, lora, id=f"{'lora' if lora else 'full'}-{f}", marks=pytest.mark.long)
-      for f in ("sd3", "flux", "wan") for lora in (True, False) if (f, lora) != ("sd3", True))])
+      for f in ("sd3", "flux", "wan", "qwenimage") for lora in (True, False)
+      if (f, lora) not in (("sd3", True), ("qwenimage", True)))])
 def test_tp2_equals_one_process(family, lora):
     for r in run_ranks(_tp_equals_one_process, family, lora, 1):
         print(family, lora, r)
-        assert r["sharded"] > 0 and r["heads"] == [1]  # 2 heads: one per TP rank
+        # 2 heads: one per TP rank (Qwen-Image's processor keeps the global count and splits by width)
+        assert r["sharded"] > 0 and r["heads"] == [2 if family == "qwenimage" else 1]
         assert r["same_names"] and r["n_grads"] > 0
         assert r["out_diff"] <= 1e-5 * max(1.0, r["out_max"]), r
         assert r["grad_rel"] <= 1e-5, r
@@ -123,7 +143,7 @@ def test_tp2_equals_one_process(family, lora):
 
 
 @pytest.mark.long  # 4 ranks; make test keeps TP 2 and FSDP 2 apart
-@pytest.mark.parametrize("family", ["sd3", "flux", "wan"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "wan", "qwenimage"])
 def test_tp2_x_fsdp2_equals_one_process(family):
     """4 ranks, 2 data shards of 2 samples; activation checkpointing between TP and FSDP2 (torchtitan's order)."""
     for r in run_ranks(_tp_equals_one_process, family, True, 2, True, world_size=4):

@@ -16,6 +16,9 @@ As the pipeline does:
   pipeline passes it);
 - classifier-free guidance ("true CFG", ``true_cfg_scale`` with a negative prompt) rescales each token
   of the guided velocity to the conditional branch's norm (:meth:`QwenImageAdapter.cfg_combine`).
+
+Tensor parallelism: diffusers' plan plus the per-head norms (:attr:`QwenImageAdapter.tp_plan`); no
+sequence- or context-parallel plan here.
 """
 
 from __future__ import annotations
@@ -44,6 +47,22 @@ class QwenImageAdapter(SchedulerTimestep, Backbone):
 
     lora_targets = JOINT_ATTENTION
     block_attrs = ("transformer_blocks",)
+    tp_local_heads = False  # diffusers' processor takes head_dim = inner_dim / heads: the global count
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        """diffusers' own ``QwenImageTransformer2DModel._tp_plan`` (colwise q/k/v and MLP inputs, rowwise
+        outputs, image and text streams alike; the AdaLN modulation stays replicated), with the per-head
+        q / k RMS norms of both streams added as ``head_norm`` (their weight gradients summed over the TP
+        ranks; diffusers' plan leaves them plain, which is right for inference only). Raises
+        ``ValueError`` when the installed diffusers has no plan."""
+        plan = getattr(type(self.transformer), "_tp_plan", None)
+        if not plan:
+            raise ValueError(f"tensor parallel: {type(self.transformer).__name__} of this diffusers has no _tp_plan")
+        styles = dict(plan)
+        styles.update({f"transformer_blocks.*.attn.{n}": "head_norm"
+                       for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")})
+        return styles
 
     def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int):
         super().__init__(transformer)
