@@ -1,4 +1,4 @@
-"""One GRPO iteration (LoRA) of SD3, FLUX and Wan under tensor parallelism (TP = 2) and, for FLUX and Wan,
+"""One GRPO iteration (LoRA) of SD3, FLUX, Wan and Qwen-Image under tensor parallelism (TP = 2) and, for FLUX and Wan,
 diffusers' context parallelism (CP = 2), against one process on the same seeds: both ranks of a TP / CP
 group sample every prompt with the same noise, so iteration 1 sees the same rewards (up to the rounding
 of split matmul sums), the first PPO ratio is 1 under every layout, and the exported adapters agree."""
@@ -28,9 +28,12 @@ FAMILY = {
              "model.options.max_sequence_length=32"),
     "wan": ("model.options.num_frames=5", "model.options.image_size=16", "model.options.max_sequence_length=16",
             "rollout.guidance_scale=4.5", "eval.guidance_scale=4.5"),
+    "qwenimage": ("model.options.image_size=32", "model.options.max_sequence_length=192", "rollout.guidance_scale=4.0",
+                  "eval.guidance_scale=4.0"),
 }
 LAYOUTS = [("sd3", "tp", 2), ("flux", "tp", 2), ("flux", "cp", 2), ("wan", "tp", 2), ("wan", "cp", 2),
-           ("sd3", "tp", 4), ("flux", "tp", 4), ("wan", "tp", 4)]  # 4 ranks: TP 2 x FSDP 2 (2 data shards)
+           ("qwenimage", "tp", 2), ("sd3", "tp", 4), ("flux", "tp", 4), ("wan", "tp", 4),
+           ("qwenimage", "tp", 4)]  # 4 ranks: TP 2 x FSDP 2 (2 data shards)
 
 
 def brightness(images, prompts=None, metadata=None):
@@ -64,11 +67,12 @@ def _grpo(rank, world, folder, run_dir, overrides):
 @pytest.fixture(scope="module")
 def folders(tiny_export, tmp_path_factory):
     from tests.families.test_flux import save_tiny_flux
+    from tests.families.test_qwenimage import build_tiny_qwenimage
     from tests.families.test_wan import build_tiny_wan
 
     root = tmp_path_factory.mktemp("layout_folders")
     return {"sd3": str(tiny_export), "flux": str(save_tiny_flux(root / "flux")),
-            "wan": str(build_tiny_wan(root / "wan"))}
+            "wan": str(build_tiny_wan(root / "wan")), "qwenimage": str(build_tiny_qwenimage(root / "qwenimage"))}
 
 
 class _OneProcess(dict):
