@@ -172,3 +172,16 @@ def test_dpo_and_forward_process_nft_steps_run_on_the_family(qwen_folder, tmp_pa
     for lora in (tmp_path / "dpo_run/dpo/lora", tmp_path / "nft_run/grpo/lora"):
         weights = load_file(str(lora / "pytorch_lora_weights.safetensors"))
         assert max(v.abs().max().item() for k, v in weights.items() if "lora_B" in k) > 0, lora
+
+
+def test_real_qwen_image_config_loads(qwen_folder):
+    from posttrain.grpo.stage import GRPOConfig, iteration_shape
+    from pretrain.config import load_config
+    from tests.conftest import ROOT
+
+    cfg = load_config(GRPOConfig, ROOT / "configs/grpo/qwen_image.yaml", [f"model.pretrained={qwen_folder}"])
+    assert cfg.model.options == {"image_size": 512, "max_sequence_length": 256, "num_inference_steps": 50,
+                                 "dtype": "bfloat16"}
+    assert (cfg.rollout.num_inference_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale) == (10, 0.7, 4.0)
+    assert cfg.parallel.activation_checkpointing and cfg.policy.target_modules is None  # the family's targets
+    assert iteration_shape(cfg)[0] == cfg.rollout.prompts_per_step * cfg.rollout.group_size == 256
