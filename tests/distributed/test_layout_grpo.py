@@ -32,7 +32,7 @@ FAMILY = {
                   "eval.guidance_scale=4.0"),
 }
 LAYOUTS = [("sd3", "tp", 2), ("flux", "tp", 2), ("flux", "cp", 2), ("wan", "tp", 2), ("wan", "cp", 2),
-           ("qwenimage", "tp", 2), ("sd3", "tp", 4), ("flux", "tp", 4), ("wan", "tp", 4),
+           ("qwenimage", "tp", 2), ("qwenimage", "cp", 2), ("sd3", "tp", 4), ("flux", "tp", 4), ("wan", "tp", 4),
            ("qwenimage", "tp", 4)]  # 4 ranks: TP 2 x FSDP 2 (2 data shards)
 
 

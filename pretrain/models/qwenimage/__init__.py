@@ -1,5 +1,5 @@
 """Qwen-Image (``QwenImageTransformer2DModel``): ``QwenImagePipeline`` folders and their adapter
-(``pipeline.py``). No presets; a tensor-parallel plan, no sequence-parallel one."""
+(``pipeline.py``). No presets; tensor- and context-parallel plans, no sequence-parallel one."""
 
 from pretrain.models.qwenimage.pipeline import PIPELINE, QwenImageAdapter, QwenImageCodec, QwenImagePromptEncoder, load
 

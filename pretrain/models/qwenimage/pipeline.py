@@ -17,8 +17,10 @@ As the pipeline does:
 - classifier-free guidance ("true CFG", ``true_cfg_scale`` with a negative prompt) rescales each token
   of the guided velocity to the conditional branch's norm (:meth:`QwenImageAdapter.cfg_combine`).
 
-Tensor parallelism: diffusers' plan plus the per-head norms (:attr:`QwenImageAdapter.tp_plan`); no
-sequence- or context-parallel plan here.
+Parallelism: tensor parallel with diffusers' plan plus the per-head norms (:attr:`QwenImageAdapter.tp_plan`);
+context parallel with diffusers' ``_cp_plan`` (``parallel.cp``; the text then keeps its
+``max_sequence_length``, masked, instead of being cut to the batch's longest prompt, and the CP degree must
+divide it); no sequence-parallel plan.
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ class QwenImageAdapter(SchedulerTimestep, Backbone):
         dtype, device = next(self.transformer.parameters()).dtype, x.device
         tokens = embeds.tokens.to(device)
         mask = text_mask(tokens)
-        length = max(int(mask.sum(1).max()), 1)
-        tokens, mask = tokens[:, :length], mask[:, :length]
+        if getattr(self.transformer, "_parallel_config", None) is None:  # under CP the plan splits the text:
+            length = max(int(mask.sum(1).max()), 1)  # it keeps max_sequence_length, which the CP degree divides
+            tokens, mask = tokens[:, :length], mask[:, :length]
         packed = x.to(dtype).view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, 4 * c)
         out = self.transformer(hidden_states=packed, timestep=self.fed_timestep(sigma.to(device), dtype),
                                encoder_hidden_states=tokens.to(dtype),
