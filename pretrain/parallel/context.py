@@ -1,13 +1,13 @@
 """Context parallelism with diffusers' own plans (``_cp_plan`` of ``FluxTransformer2DModel``,
-``WanTransformer3DModel`` and ``QwenImageTransformer2DModel``, diffusers 0.42): the plan's hooks split the
-token sequence over the CP ranks at the model's input (FLUX: image and text tokens and their rotary ids;
-Wan: the patchified video tokens and the rotary tables, text kept whole; Qwen-Image: image and text
-tokens, the text mask and the rotary tables), attention runs as diffusers' Ulysses attention
-(``TemplatedUlyssesAttention``: all-to-all from tokens to heads and back, DeepSpeed-Ulysses, Jacobs et
-al. 2023, arXiv 2309.14509, with its backward), and the output projection's tokens are all-gathered
-(backward: this rank's chunk, not summed). So the model takes and returns full tensors on every CP rank,
-each rank back-propagates its tokens' share, and FSDP2 sums the parameter gradients over the CP ranks
-(``fsdp.py``), which equals one process.
+``Flux2Transformer2DModel``, ``WanTransformer3DModel`` and ``QwenImageTransformer2DModel``, diffusers
+0.42): the plan's hooks split the token sequence over the CP ranks at the model's input (FLUX and FLUX.2:
+image and text tokens and their rotary ids; Wan: the patchified video tokens and the rotary tables, text
+kept whole; Qwen-Image: image and text tokens, the text mask and the rotary tables), attention runs as
+diffusers' Ulysses attention (``TemplatedUlyssesAttention``: all-to-all from tokens to heads and back,
+DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509, with its backward), and the output projection's
+tokens are all-gathered (backward: this rank's chunk, not summed). So the model takes and returns full
+tensors on every CP rank, each rank back-propagates its tokens' share, and FSDP2 sums the parameter
+gradients over the CP ranks (``fsdp.py``), which equals one process.
 
 ``ModelMixin.enable_parallelism`` does the same but picks its device from ``torch.accelerator`` (none on
 a CPU box, so gloo runs fail there); :func:`enable_context_parallel` makes the same calls with the CP
@@ -58,8 +58,8 @@ def enable_context_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     transformer = model.transformer
     plan = getattr(type(transformer), "_cp_plan", None)
     if not plan:
-        raise ValueError(f"context parallel: {type(transformer).__name__} has no diffusers _cp_plan (FLUX, Wan and "
-                         f"Qwen-Image have one; SD3 uses parallel.sp)")
+        raise ValueError(f"context parallel: {type(transformer).__name__} has no diffusers _cp_plan (FLUX, FLUX.2, Wan "
+                         f"and Qwen-Image have one; SD3 uses parallel.sp)")
     cp = mesh["ulysses"].size()
     heads = getattr(transformer.config, "num_attention_heads", None)
     if heads and heads % cp:

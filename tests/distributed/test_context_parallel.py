@@ -1,5 +1,5 @@
-"""Context parallelism with diffusers' plans (``pretrain/parallel/context.py``) for FLUX, Wan and Qwen-Image: CP = 2
-on 2 ranks (FSDP2 over them, gradients summed) equals one process -- outputs within 1e-5, gradients
+"""Context parallelism with diffusers' plans (``pretrain/parallel/context.py``) for FLUX, FLUX.2, Wan and
+Qwen-Image: CP = 2 on 2 ranks (FSDP2 over them, gradients summed) equals one process -- outputs within 1e-5, gradients
 within 1e-5 relative, LoRA and full fine-tuning; and CP is refused for SD3, which has no plan."""
 
 import pytest
@@ -44,7 +44,7 @@ def _cp_equals_one_process(rank, world, family, lora):
     pytest.param("wan", 16, True, id="lora-wan-16"),
     *(pytest.param(f, n, lora, id=f"{'lora' if lora else 'full'}-{f}-{n}", marks=pytest.mark.long)
       for f, n, lora in [("flux", 8, True), ("flux", 8, False), ("wan", 16, False), ("qwenimage", 8, True),
-                         ("qwenimage", 8, False)])])
+                         ("qwenimage", 8, False), ("flux2", 8, True), ("flux2", 8, False)])])
 def test_cp2_equals_one_process(family, tokens, lora):
     for r in run_ranks(_cp_equals_one_process, family, lora):
         print(family, lora, r)
@@ -55,5 +55,5 @@ def test_cp2_equals_one_process(family, tokens, lora):
 
 def test_cp_refused_for_a_family_without_a_plan():
     for r in run_ranks(_cp_equals_one_process, "sd3", False):
-        assert r["error"] == ("context parallel: SD3Transformer2DModel has no diffusers _cp_plan (FLUX, Wan and "
-                              "Qwen-Image have one; SD3 uses parallel.sp)")
+        assert r["error"] == ("context parallel: SD3Transformer2DModel has no diffusers _cp_plan (FLUX, FLUX.2, Wan "
+                              "and Qwen-Image have one; SD3 uses parallel.sp)")

@@ -1,7 +1,7 @@
-"""One GRPO iteration (LoRA) of SD3, FLUX, Wan and Qwen-Image under tensor parallelism (TP = 2) and, for FLUX and Wan,
-diffusers' context parallelism (CP = 2), against one process on the same seeds: both ranks of a TP / CP
-group sample every prompt with the same noise, so iteration 1 sees the same rewards (up to the rounding
-of split matmul sums), the first PPO ratio is 1 under every layout, and the exported adapters agree."""
+"""One GRPO iteration (LoRA) under tensor parallelism (TP = 2: SD3, FLUX, Wan, Qwen-Image) and diffusers'
+context parallelism (CP = 2: FLUX, FLUX.2, Wan, Qwen-Image), against one process on the same seeds: both
+ranks of a TP / CP group sample every prompt with the same noise, so iteration 1 sees the same rewards (up
+to the rounding of split matmul sums), the first PPO ratio is 1 under every layout, and the exported adapters agree."""
 
 import pytest
 import torch
@@ -30,10 +30,12 @@ FAMILY = {
             "rollout.guidance_scale=4.5", "eval.guidance_scale=4.5"),
     "qwenimage": ("model.options.image_size=32", "model.options.max_sequence_length=192", "rollout.guidance_scale=4.0",
                   "eval.guidance_scale=4.0"),
+    "flux2": ("model.options.image_size=32", "model.options.max_sequence_length=64", "rollout.guidance_scale=4.0",
+              "eval.guidance_scale=4.0"),
 }
 LAYOUTS = [("sd3", "tp", 2), ("flux", "tp", 2), ("flux", "cp", 2), ("wan", "tp", 2), ("wan", "cp", 2),
-           ("qwenimage", "tp", 2), ("qwenimage", "cp", 2), ("sd3", "tp", 4), ("flux", "tp", 4), ("wan", "tp", 4),
-           ("qwenimage", "tp", 4)]  # 4 ranks: TP 2 x FSDP 2 (2 data shards)
+           ("qwenimage", "tp", 2), ("qwenimage", "cp", 2), ("flux2", "cp", 2),
+           ("sd3", "tp", 4), ("flux", "tp", 4), ("wan", "tp", 4), ("qwenimage", "tp", 4)]  # 4 ranks: TP 2 x FSDP 2
 
 
 def brightness(images, prompts=None, metadata=None):
@@ -67,12 +69,14 @@ def _grpo(rank, world, folder, run_dir, overrides):
 @pytest.fixture(scope="module")
 def folders(tiny_export, tmp_path_factory):
     from tests.families.test_flux import save_tiny_flux
+    from tests.families.test_flux2 import build_tiny_flux2
     from tests.families.test_qwenimage import build_tiny_qwenimage
     from tests.families.test_wan import build_tiny_wan
 
     root = tmp_path_factory.mktemp("layout_folders")
     return {"sd3": str(tiny_export), "flux": str(save_tiny_flux(root / "flux")),
-            "wan": str(build_tiny_wan(root / "wan")), "qwenimage": str(build_tiny_qwenimage(root / "qwenimage"))}
+            "wan": str(build_tiny_wan(root / "wan")), "qwenimage": str(build_tiny_qwenimage(root / "qwenimage")),
+            "flux2": str(build_tiny_flux2(root / "flux2"))}
 
 
 class _OneProcess(dict):

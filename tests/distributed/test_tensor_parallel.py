@@ -77,7 +77,24 @@ def qwenimage():
     return model, (x, torch.rand(4, generator=g), embeds), torch.randn(4, 4, 8, 8, generator=g)
 
 
-FAMILIES = {"sd3": sd3, "flux": flux, "wan": wan, "qwenimage": qwenimage}
+def flux2():
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+    from pretrain.models.flux2 import Flux2Adapter
+
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                          guidance_embeds=False)
+    model = Flux2Adapter(transformer, FlowMatchEulerDiscreteScheduler(), image_seq_len=16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 16, 4, 4, generator=g)  # patchified latents: 16 tokens of 16 channels
+    embeds = PromptEmbeds(torch.randn(4, 6, 48, generator=g), torch.zeros(4, 0))
+    return model, (x, torch.rand(4, generator=g), embeds), torch.randn(4, 16, 4, 4, generator=g)
+
+
+FAMILIES = {"sd3": sd3, "flux": flux, "wan": wan, "qwenimage": qwenimage, "flux2": flux2}
 
 
 def with_lora(model):
