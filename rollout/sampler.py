@@ -5,9 +5,11 @@ One transition (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470, eq. 9-10, step typ
 v = cfg_combine(v_cond, v_uncond, guidance_scale) (Ho & Salimans 2022; the model family's own rule,
 :meth:`pretrain.backbone.Backbone.cfg_combine`), then ``step(x, v, sigma_t, sigma_t+1, noise_level)``
 gives x_next and log p(x_next | x). Sampling (:meth:`Sampler.sample`) and the recomputation
-(:func:`log_prob`) both combine the branches with it (:func:`pretrain.guidance.combine`) and call the step type registered under the trajectory's recorded name. With an SDE
-window, the transitions after it are taken by the recorded ODE solver (:mod:`rollout.ode_solver`);
-they are deterministic and never recomputed.
+(:func:`log_prob`) both combine the branches with it (:func:`pretrain.guidance.combine`) and call the
+step type registered under the trajectory's recorded name. With an SDE window, the transitions after it
+are taken by the recorded ODE solver (:mod:`rollout.ode_solver`); they are deterministic and never
+recomputed. A mixture of denoisers (Wan2.2 A14B) has its expert per transition recorded in the settings,
+and a recomputation that would use another raises.
 """
 
 from __future__ import annotations
@@ -47,10 +49,14 @@ class Sampler:
     @classmethod
     def build(cls, cfg: RolloutConfig, model, encoder, device, shift: float) -> "Sampler":
         """The sampler of ``cfg`` for ``model`` (a :class:`pretrain.backbone.Backbone`): its schedule at
-        ``cfg.shift`` (``shift`` where that is None), ``cfg.negative_prompt`` encoded by ``encoder``."""
+        ``cfg.shift`` (``shift`` where that is None), ``cfg.negative_prompt`` encoded by ``encoder``, and
+        the experts of a mixture of denoisers recorded (:meth:`record_experts`), so that settings compared
+        with a rollout worker's match before this process samples."""
         sigmas = model.sigmas(cfg.num_inference_steps, shift if cfg.shift is None else cfg.shift)
         negative = encoder.encode([cfg.negative_prompt]).to(device)
-        return cls(cfg, sigmas, negative, model.timestep(sigmas[:-1]).float().cpu().clone())
+        sampler = cls(cfg, sigmas, negative, model.timestep(sigmas[:-1]).float().cpu().clone())
+        sampler.record_experts(model)
+        return sampler
 
     @property
     def num_steps(self) -> int:

@@ -191,3 +191,15 @@ def test_a14b_fsdp_on_two_ranks_equals_one_process(a14b_folder, tmp_path, capsys
               f"(smallest expert's largest lora_B {moved:.2e})")
     assert all(set(g) == set(r) and r for g, r in zip(got, ref))
     assert d_reward <= 1e-6 and d_lora <= 1e-5 and moved > 1e-4
+
+
+def test_a_built_sampler_records_the_experts_before_it_samples(a14b_folder):
+    """A trainer whose rollouts come from workers compares their settings with its own sampler's, which
+    has never sampled: the experts must be in them from the start."""
+    from rollout.config import RolloutConfig
+    from rollout.sampler import Sampler
+
+    model, encoder, _, _ = load_exported(a14b_folder, options=OPTIONS)
+    sampler = Sampler.build(RolloutConfig(num_inference_steps=STEPS, guidance_scale=SCALE), model, encoder, "cpu", None)
+    assert sampler.settings.experts == tuple(model.experts(model.sigmas(STEPS)[:-1]).tolist())
+    assert set(sampler.settings.experts) == {0, 1}
