@@ -203,3 +203,15 @@ def test_a_built_sampler_records_the_experts_before_it_samples(a14b_folder):
     sampler = Sampler.build(RolloutConfig(num_inference_steps=STEPS, guidance_scale=SCALE), model, encoder, "cpu", None)
     assert sampler.settings.experts == tuple(model.experts(model.sigmas(STEPS)[:-1]).tolist())
     assert set(sampler.settings.experts) == {0, 1}
+
+
+def test_real_wan22_a14b_config_loads(a14b_folder):
+    from posttrain.grpo.stage import GRPOConfig, iteration_shape
+    from pretrain.config import load_config
+    from tests.conftest import ROOT
+
+    cfg = load_config(GRPOConfig, ROOT / "configs/grpo/wan22_t2v_a14b.yaml", [f"model.pretrained={a14b_folder}"])
+    assert cfg.model.options["num_frames"] == 33 and cfg.parallel.activation_checkpointing
+    ro = cfg.rollout
+    assert (ro.num_inference_steps, ro.timestep_fraction, ro.guidance_scale) == (16, 0.6, 4.0)
+    assert iteration_shape(cfg)[0] == cfg.rollout.prompts_per_step * cfg.rollout.group_size == 32
