@@ -4,6 +4,8 @@ the source folder plus the exported LoRA, reproducing our sampler's images (:fun
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from pretrain.export import load_exported
@@ -41,6 +43,25 @@ def worst_ratio_deviation(folder, options: dict, prompts: list[str], steps: int,
             ratio = torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t])
             worst = max(worst, (ratio - 1).abs().max().item())
     return worst
+
+
+def one_grpo_iteration(run_dir, folder, scale: float, *overrides: str):
+    """One GRPO iteration (LoRA) on the pipeline folder ``folder`` from ``configs/grpo/emoji_tiny.yaml``:
+    2 prompts x group 2, 3 rollout steps at CFG ``scale``, lr 3e-2, then ``overrides`` (the family's
+    ``model.options``, rewards). Asserts the first PPO ratio is 1 within 1e-5 (the recomputation equals the
+    rollout); returns the export folder."""
+    from posttrain.grpo.stage import train
+    from pretrain.runtime.metrics import read_metrics
+    from tests.conftest import grpo_config
+
+    export = train(grpo_config(run_dir, folder, "data.limit=4", "train.steps=1", "rollout.num_inference_steps=3",
+                               "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.batch_size=4",
+                               "train.batch_size=4", f"rollout.guidance_scale={scale}", "optim.lr=3e-2",
+                               "eval.grid_prompts=2", "eval.num_inference_steps=2", f"eval.guidance_scale={scale}",
+                               *overrides))
+    first = read_metrics(Path(run_dir) / "grpo/metrics.jsonl")[0]
+    assert abs(first["ratio_min"] - 1) <= 1e-5 and abs(first["ratio_max"] - 1) <= 1e-5, first
+    return export
 
 
 def export_vs_pipeline(pipeline_cls, source, export, lora_dir, run, *, size: int, steps: int, scale: float,

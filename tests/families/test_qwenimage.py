@@ -6,8 +6,7 @@ import torch
 
 from pretrain.export import load_exported
 from pretrain.sampling import initial_noise, sample_latents
-from tests.conftest import grpo_config
-from tests.families.family_checks import export_vs_pipeline, max_diff, worst_ratio_deviation
+from tests.families.family_checks import export_vs_pipeline, max_diff, one_grpo_iteration, worst_ratio_deviation
 
 pytestmark = pytest.mark.core
 
@@ -116,18 +115,9 @@ def test_rollout_log_probs_recomputed_in_training_equal_rollout(qwen_folder):
 def test_grpo_iteration_exports_and_a_lora_that_load_in_diffusers(qwen_folder, tmp_path, capsys):
     from diffusers import QwenImagePipeline
 
-    from posttrain.grpo.stage import train
-    from pretrain.runtime.metrics import read_metrics
 
-    cfg = grpo_config(tmp_path, qwen_folder, f"model.options.image_size={SIZE}",
-                      "model.options.max_sequence_length=192", "data.limit=4", "train.steps=1",
-                      "rollout.num_inference_steps=3", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "rollout.batch_size=4", "train.batch_size=4",
-                      f"rollout.guidance_scale={SCALE}", "optim.lr=3e-2", "eval.grid_prompts=2",
-                      "eval.num_inference_steps=2", f"eval.guidance_scale={SCALE}")
-    export = train(cfg)
-    recs = read_metrics(tmp_path / "grpo/metrics.jsonl")
-    assert abs(recs[0]["ratio_min"] - 1) <= 1e-5 and abs(recs[0]["ratio_max"] - 1) <= 1e-5
+    export = one_grpo_iteration(tmp_path, qwen_folder, SCALE, f"model.options.image_size={SIZE}",
+                                 "model.options.max_sequence_length=192")
     assert load_exported(export)[3]["image_size"] == SIZE
     d_export, d_lora, d_base = export_vs_pipeline(
         QwenImagePipeline, qwen_folder, export, tmp_path / "grpo/lora",

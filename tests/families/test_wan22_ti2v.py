@@ -6,7 +6,6 @@ import torch
 
 from pretrain.export import load_exported
 from pretrain.sampling import initial_noise, sample_latents
-from tests.conftest import grpo_config
 from tests.families.test_wan import PROMPTS, build_tiny_wan, max_diff, pipeline_videos
 
 pytestmark = pytest.mark.core
@@ -60,20 +59,15 @@ def test_ti2v_sampler_matches_the_pipeline_and_feeds_per_token_timesteps(ti2v_fo
 def test_ti2v_rollout_log_probs_and_grpo_export_load_in_diffusers(ti2v_folder, tmp_path, capsys):
     from diffusers import WanPipeline
 
-    from posttrain.grpo.stage import train
-    from tests.families.family_checks import worst_ratio_deviation
+    from tests.families.family_checks import one_grpo_iteration, worst_ratio_deviation
 
     worst = worst_ratio_deviation(ti2v_folder, {"num_frames": FRAMES, "image_size": SIZE, "max_sequence_length": 16},
                                   [*PROMPTS, "a face", "the flag"], STEPS, SCALE, SIZE)
     assert worst <= 1e-5, worst
 
-    cfg = grpo_config(tmp_path, ti2v_folder, f"model.options.num_frames={FRAMES}", f"model.options.image_size={SIZE}",
-                      "model.options.max_sequence_length=16", "data.limit=4", "train.steps=1",
-                      "rollout.num_inference_steps=3", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "rollout.batch_size=4", "train.batch_size=4", "rollout.guidance_scale=4.5",
-                      "rewards.jpeg_compressibility=0", "rewards.test_video_brightness=1.0", "optim.lr=3e-2",
-                      "eval.grid_prompts=2", "eval.num_inference_steps=2", "eval.guidance_scale=4.5")
-    export = train(cfg)
+    export = one_grpo_iteration(tmp_path, ti2v_folder, 4.5, f"model.options.num_frames={FRAMES}",
+                                 f"model.options.image_size={SIZE}", "model.options.max_sequence_length=16",
+                                 "rewards.jpeg_compressibility=0", "rewards.test_video_brightness=1.0")
     model, encoder, codec, meta = load_exported(export, options={"max_sequence_length": 16})
     assert model.expand_timesteps and meta["image_size"] == SIZE
     noise = initial_noise(1, codec.latent_shape(SIZE, SIZE), 0)

@@ -7,8 +7,7 @@ import torch
 
 from pretrain.export import load_exported
 from pretrain.sampling import initial_noise, sample_latents
-from tests.conftest import grpo_config
-from tests.families.family_checks import export_vs_pipeline, max_diff, worst_ratio_deviation
+from tests.families.family_checks import export_vs_pipeline, max_diff, one_grpo_iteration, worst_ratio_deviation
 from tests.families.test_flux2 import CHAT
 
 pytestmark = pytest.mark.core
@@ -92,21 +91,12 @@ def test_sampler_encoder_schedule_and_guidance_match_the_pipeline(zimage_folder,
 def test_rollout_log_probs_recomputed_and_grpo_export_and_lora_load_in_diffusers(zimage_folder, tmp_path, capsys):
     from diffusers import ZImagePipeline
 
-    from posttrain.grpo.stage import train
-    from pretrain.runtime.metrics import read_metrics
 
     worst = worst_ratio_deviation(zimage_folder, OPTIONS, [*PROMPTS, "a face", "the flag"], STEPS, W + 1, SIZE)
     assert worst <= 1e-5, worst
 
-    cfg = grpo_config(tmp_path, zimage_folder, f"model.options.image_size={SIZE}",
-                      "model.options.max_sequence_length=64", "data.limit=4", "train.steps=1",
-                      "rollout.num_inference_steps=3", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "rollout.batch_size=4", "train.batch_size=4", f"rollout.guidance_scale={W + 1}",
-                      "optim.lr=3e-2", "eval.grid_prompts=2", "eval.num_inference_steps=2",
-                      f"eval.guidance_scale={W + 1}")
-    export = train(cfg)
-    recs = read_metrics(tmp_path / "grpo/metrics.jsonl")
-    assert abs(recs[0]["ratio_min"] - 1) <= 1e-5 and abs(recs[0]["ratio_max"] - 1) <= 1e-5
+    export = one_grpo_iteration(tmp_path, zimage_folder, W + 1, f"model.options.image_size={SIZE}",
+                                 "model.options.max_sequence_length=64")
     d_export, d_lora, d_base = export_vs_pipeline(
         ZImagePipeline, zimage_folder, export, tmp_path / "grpo/lora",
         lambda pipe, noise: pipeline_images(pipe, PROMPTS[:1], noise, steps=3)[1], size=SIZE, steps=3, scale=W + 1,
