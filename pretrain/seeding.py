@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 # Named streams keep independent draws for the same sample apart (noise vs. sigma vs. dropout).
-STREAMS = {"train": 0, "eval": 1, "sample": 2, "data": 3, "rollout": 4, "init": 5, "shuffle": 6, "window": 7, "forward": 8, "data_loss": 9}
+STREAMS = {"train": 0, "eval": 1, "sample": 2, "data": 3, "rollout": 4, "init": 5, "shuffle": 6, "window": 7, "forward": 8, "data_loss": 9,
+           "data_loss_images": 10}
 
 
 def seed_for(seed: int, *keys: int | str) -> int:

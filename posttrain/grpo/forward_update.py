@@ -22,6 +22,7 @@ import torch
 from posttrain.grpo.old_policy import OldPolicy
 from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model
 from posttrain.grpo.ranks import global_count_weight
+from posttrain.grpo.extra_loss import ExtraLoss, add_extra
 from pretrain.flow import interpolate
 from pretrain.runtime.accumulate import Accumulation
 from pretrain.seeding import generator_for
@@ -169,9 +170,11 @@ class ForwardProcessUpdate:
         return nullcontext(no_grad_model(self.perf, policy, version))
 
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
-                 transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:
+                 transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None,
+                 extra: ExtraLoss | None = None) -> list[dict]:
         """Inner epochs of mini-batches over ``traj`` (``transitions`` is unused: the loss draws its own
-        sigmas). ``advantages`` float32 ``[N]``, ``mask`` bool ``[N]``. Returns per-mini-batch stats."""
+        sigmas). ``advantages`` float32 ``[N]``, ``mask`` bool ``[N]``; ``extra``: a term added to every
+        mini-batch's loss (:data:`posttrain.grpo.extra_loss.ExtraLoss`). Returns per-mini-batch stats."""
         loss_fn, draw, acc = self.parts.loss, self.parts.loss.draw, Accumulation(runtime)
         x0_all = traj.latents[:, -1]
         out = []
@@ -195,6 +198,7 @@ class ForwardProcessUpdate:
                     acc.backward(loss / draw.timesteps_per_sample * weight, loss.item() / draw.timesteps_per_sample)
                     for key, v in s.items():
                         stats[key] = stats.get(key, 0.0) + v / draw.timesteps_per_sample
+                add_extra(acc, extra, len(out), stats)
                 stats.update(acc.end_micro_batch())
                 out.append(stats)
         if self.old is not None:

@@ -21,6 +21,7 @@ from posttrain.grpo.engines import ENGINES
 from posttrain.grpo.engines.config import RolloutEngineConfig
 from posttrain.grpo.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo.update import GRPOAlgorithmConfig
+from posttrain.base.data_loss import DataLoss, DataLossConfig
 from posttrain.base.guard import Guard, group_diversity
 from pretrain.runtime.loop import run_stage
 from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, merge_lora_blocker, resolve_perf
@@ -31,6 +32,7 @@ from posttrain.base.stage_config import StageConfig
 from pretrain.data.dataset import EpochSampler, require_in_memory
 from pretrain.models import count_parameters
 from pretrain.runtime.profiling import peak_rss_mb
+from pretrain.seeding import generator_for
 from rewards.base import CompositeReward, check_reward_weights
 from rewards.scoring import AsyncScorer
 from pretrain.truncation import fractions, take_truncation_counts
@@ -52,8 +54,9 @@ class GRPOConfig(StageConfig):
     a reward off with weight 0); ``engine``: where the rollout samples (the local ranks or Ray workers,
     :class:`posttrain.grpo.engines.config.RolloutEngineConfig`); ``reward_engine``: where the rewards are
     scored (:class:`posttrain.grpo.engines.reward_actor.RewardEngineConfig`); ``perf``: GRPO's speed options,
-    which leave the numbers unchanged (:class:`posttrain.grpo.perf.PerfConfig`). Outputs go to
-    ``<run_dir>/grpo/``."""
+    which leave the numbers unchanged (:class:`posttrain.grpo.perf.PerfConfig`); ``data_loss``: the
+    pre-training loss added to every mini-batch's loss (PPO-ptx; :class:`posttrain.base.data_loss.DataLossConfig`,
+    ``batch_size`` random train images per mini-batch). Outputs go to ``<run_dir>/grpo/``."""
 
     run_dir: str = "runs/grpo"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -62,6 +65,7 @@ class GRPOConfig(StageConfig):
     engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
     reward_engine: RewardEngineConfig = field(default_factory=RewardEngineConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    data_loss: DataLossConfig = field(default_factory=DataLossConfig)
 
     #: keys of earlier versions and where they live now (named in the unknown-key error)
     moved_keys: ClassVar[dict[str, str]] = {"rollout.engine": "engine.name", **{
@@ -193,6 +197,9 @@ class GRPORun(PolicyRun):
         self.scorer = AsyncScorer(self.rewards, self.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
         self.guard = Guard.for_stage(cfg.guard, st, trained=self.rewards)
+        self.pretraining = DataLoss(cfg.data_loss, st, self.seed) if cfg.data_loss.weight else None
+        if self.pretraining is not None:
+            ranks.require_divisible("data_loss.batch_size", self.data_loss_batch(), "each rank trains its share")
         self.actor = build_rollout_actor(cfg, self.perf, policy=st.policy, sampling_model=self.sampling_model,
                                          sampler=self.sampler, codec=st.codec, prompts=st.train_set,
                                          image_size=meta["image_size"], device=st.device)
@@ -250,7 +257,8 @@ class GRPORun(PolicyRun):
             self.update.recompute_old_log_probs(st.policy, self.rt, traj, **layout)
         t_old = time.perf_counter()
         stats = self.update(st.policy, self.rt, traj, adv.to(st.device), mask.to(st.device), **layout,
-                            dp_group=self.ranks.mesh.dp_group if self.ranks.distributed else None)
+                            dp_group=self.ranks.mesh.dp_group if self.ranks.distributed else None,
+                            extra=None if self.pretraining is None else lambda mb: self.data_loss(it, mb))
         t3 = time.perf_counter()
         self.step = it = it + 1
         self.engine.trained(it)
@@ -266,6 +274,21 @@ class GRPORun(PolicyRun):
                 "samples": self.n, "samples_per_s": self.n / (t3 - t0),  # whole-iteration throughput
                 **batch.metrics, "time_advantage_s": t2 - t1, "time_train_s": t3 - t_old, "peak_rss_mb": peak_rss_mb(),
                 **({"time_old_log_prob_s": t_old - t2} if cfg.grpo.old_log_prob == "recompute" else {})}
+
+    def data_loss_batch(self) -> int:
+        return self.cfg.data_loss.batch_size or self.cfg.train.batch_size
+
+    def data_loss(self, iteration: int, number: int) -> tuple[torch.Tensor, dict]:
+        """The weighted pre-training loss of mini-batch ``number`` of ``iteration``: ``data_loss_batch()``
+        train images drawn by (seed, "data_loss_images", iteration, number), the same on every rank, of
+        which this rank takes its share; image i's draws keyed by number * batch + i."""
+        b, st = self.data_loss_batch(), self.st
+        g = generator_for(self.seed, "data_loss_images", iteration, number)
+        idx = torch.randint(len(st.train_set), (b,), generator=g).tolist()
+        lo, hi = self.ranks.share(b)
+        loss = self.pretraining(st.policy.model, idx[lo:hi], iteration, [number * b + i for i in range(lo, hi)],
+                                self.rt.autocast)
+        return self.cfg.data_loss.weight * loss, {"data_loss": loss.item()}
 
     def held_out(self, step: int, last: bool) -> tuple[dict, list[Path]]:
         """A held-out grid every ``eval.every`` iterations (the final one is written by :meth:`finish`)."""

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, ContextManager
 
 import torch
 
+from posttrain.grpo.extra_loss import ExtraLoss, add_extra
 from posttrain.grpo.parts.base import UPDATES, LossPart
 from posttrain.grpo.perf import PerfConfig, apply_preset, no_grad_model, records_uncond
 from posttrain.grpo.ranks import equal_chunks, global_count_weight
@@ -178,10 +179,12 @@ class GRPOUpdate:
         return nullcontext(no_grad_model(self.perf, policy, version))
 
     def __call__(self, policy, runtime, traj: Trajectory, advantages: torch.Tensor, mask: torch.Tensor, *,
-                 transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None) -> list[dict]:
+                 transitions: list[int], mini_batch_size: int, seed: int, iteration: int, dp_group=None,
+                 extra: ExtraLoss | None = None) -> list[dict]:
         """Inner epochs over ``traj`` in mini-batches shuffled by (seed, "shuffle", iteration, epoch);
         ``runtime.cfg.grad_accum`` mini-batches per optimizer step; ``advantages`` float32 ``[N]``,
-        ``mask`` bool ``[N]`` (on the trajectory's device). Returns per-mini-batch stats.
+        ``mask`` bool ``[N]`` (on the trajectory's device). Returns per-mini-batch stats. ``extra``: a
+        term added to every mini-batch's loss (:data:`posttrain.grpo.extra_loss.ExtraLoss`; the pre-training loss).
 
         Until the first optimizer step the unconditional CFG branch is read from
         ``traj.uncond_velocities`` when the rollout recorded them (the weights are still the
@@ -198,6 +201,7 @@ class GRPOUpdate:
         for epoch in range(self.cfg.inner_epochs):
             perm = torch.randperm(n, generator=generator_for(seed, "shuffle", iteration, epoch))
             for start in range(0, n, mini_batch_size):
+                number = len(out)  # the mini-batch's number in this iteration (over the inner epochs)
                 idx = perm[start:start + mini_batch_size]
                 mb = traj.select(idx)
                 mb_stats: dict[str, float] = {}
@@ -215,6 +219,7 @@ class GRPOUpdate:
                     acc.backward(loss * share * weight, loss.item() * share)
                     if real:
                         merge_stats(mb_stats, stats, share)
+                add_extra(acc, extra, number, mb_stats)
                 stepped = acc.end_micro_batch()
                 if stepped:
                     mb_stats.update(stepped)

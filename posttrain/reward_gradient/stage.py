@@ -20,13 +20,13 @@ backward pass (AlignProp's memory saving; any method).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from posttrain.base.data_loss import DataLoss, DataLossConfig
 from posttrain.base.guard import Guard
 from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage, StageRanks
@@ -36,7 +36,6 @@ from posttrain.objectives.reward_gradient import Chain, alignprop, draft_k, draf
 from pretrain.config import require_positive
 from pretrain.data.dataset import EpochSampler, require_in_memory
 from pretrain.guidance import guided_velocity
-from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas, pretrain_loss
 from pretrain.registry import Registry
 from pretrain.runtime.accumulate import Accumulation
 from pretrain.runtime.loop import run_stage
@@ -98,29 +97,6 @@ class SamplingConfig:
 
 
 @dataclass
-class DataLossConfig:
-    """The pre-training loss on the train split's own images (ReFL's regulariser, ImageReward, Xu et al.
-    2023, arXiv 2304.05977, Algorithm 1): ``weight`` (0: off) times the export's flow-matching objective on
-    the micro-batch's prompts' images at sigmas drawn from logit-normal(``logit_mean``, ``logit_std``) with
-    ``shift`` (an export trained with a discrete objective draws its training timesteps instead, and these
-    three are unused), always conditioned (no prompt dropout). It pulls the policy back to the data's images, where
-    a learned reward's adversarial textures are absent."""
-
-    weight: float = 0.0
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    shift: float = 1.0
-
-    def validate(self, prefix: str = "") -> None:
-        if not math.isfinite(self.weight) or self.weight < 0:
-            raise ValueError(f"{prefix}weight: must be a finite number >= 0, got {self.weight}")
-        require_positive(self, prefix, "logit_std", "shift")
-
-    def flow(self, objective: str) -> FlowConfig:
-        return FlowConfig(self.logit_mean, self.logit_std, self.shift, cond_dropout=0.0, objective=objective)
-
-
-@dataclass
 class RewardGradientConfig(StageConfig):
     """`posttrain reward_gradient` config (the shared blocks: :class:`posttrain.base.stage_config.StageConfig`):
     ``reward``: ``{name: {param: value}}``, exactly one differentiable reward; ``method``:
@@ -137,6 +113,9 @@ class RewardGradientConfig(StageConfig):
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         require_in_memory(self.data, f"{prefix}data.", "the prompt sampling")
+        if self.data_loss.batch_size is not None:
+            raise ValueError(f"{prefix}data_loss.batch_size: the reward-gradient stage trains on its prompts' own "
+                             f"images (train.batch_size of them); remove the key")
         specs = parse_reward_specs({k: {"weight": 1.0, **(v or {})} for k, v in self.reward.items()}, f"{prefix}reward")
         if len(specs) != 1:
             raise ValueError(f"{prefix}reward: exactly one differentiable reward, e.g. "
@@ -164,6 +143,7 @@ class RewardGradientRun(PolicyRun):
         self.prompts = EpochSampler(len(st.train_set), cfg.train.seed)
         self.shift = cfg.sampling.shift if cfg.sampling.shift is not None else st.meta["sampling"]["shift"]
         self.guard = Guard.for_stage(cfg.guard, st, trained=None)
+        self.pretraining = DataLoss(cfg.data_loss, st, cfg.train.seed)
         resumed = self.start_runtime({"prompts": self.prompts}, headline=("reward", "heldout_reward"))
         m = cfg.method
         self.logger.write(f"reward gradient: {m.name} (k {m.k}, checkpoint {m.checkpoint}) through "
@@ -228,17 +208,9 @@ class RewardGradientRun(PolicyRun):
         return metrics
 
     def data_loss(self, model, idx: list[int], micro: int) -> torch.Tensor:
-        """The pre-training loss (:class:`DataLossConfig`) on the train images of prompts ``idx``, its
-        noise and sigma drawn per sample (stream "data_loss", keyed by step and index in the step)."""
-        st = self.st
-        flow = self.cfg.data_loss.flow(st.meta.get("objective", "rectified_flow"))
-        images, embeds, _ = st.train_set.batch(idx)
-        x0 = st.codec.encode(images.to(st.device))
-        keys = list(self.sample_indices(len(idx), micro))
-        noise, sigma, drop = draw_training_noise(x0, self.cfg.train.seed, self.rt.step, keys, flow, "data_loss",
-                                                 objective_sigmas(model, flow, "data_loss"))
-        with self.rt.autocast():
-            return pretrain_loss(model, x0, embeds.to(st.device), st.null, noise, sigma, drop, flow.objective)
+        """The pre-training loss (:class:`posttrain.base.data_loss.DataLoss`) on the train images of
+        prompts ``idx``, keyed by their indices in the step."""
+        return self.pretraining(model, idx, self.rt.step, list(self.sample_indices(len(idx), micro)), self.rt.autocast)
 
     @torch.no_grad()
     def heldout_reward(self, model) -> float:

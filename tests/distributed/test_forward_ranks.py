@@ -29,8 +29,9 @@ REWARD_TOL = 1e-6  # max |reward difference| in iteration 2
 # NFT full 2.0e-2, LoRA 3.1e-4.)
 WEIGHT_TOL = 1e-4
 CASES = {"nft": (), "awm": (), "dgpo": (), "nft_full": ("policy.lora_rank=0",),
-         "nft_sp": ("parallel.sp=2",), "dgpo_tp": ("parallel.tp=2",)}
-LONG = {"awm", "nft_sp", "dgpo_tp"}  # make test keeps NFT (LoRA, full) and DGPO on 2 data-parallel ranks
+         "nft_sp": ("parallel.sp=2",), "dgpo_tp": ("parallel.tp=2",),
+         "dgpo_ptx": ("data_loss.weight=1", "data_loss.batch_size=6")}  # each rank: 3 of 6 train images
+LONG = {"awm", "nft_sp", "dgpo_tp", "dgpo_ptx"}  # make test keeps NFT (LoRA, full) and DGPO on 2 data-parallel ranks
 
 
 def _forward(rank, world, export, run_dir, loss, overrides):
