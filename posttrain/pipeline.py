@@ -18,12 +18,20 @@ class StageConfig:
     """``command``: a registered stage ("pretrain", "grpo", "curate", ...); ``config``: its YAML file (path
     relative to the working directory); ``overrides``: dotted overrides applied after the file;
     ``data_from``: an earlier data stage (e.g. "curate") whose folder dataset (``<run_dir>/<that>/data``)
-    this stage trains on (``data.source=folder``, ``data.path`` set when the stage starts)."""
+    this stage trains on (``data.source=folder``, ``data.path`` set when the stage starts); ``name``: for a
+    command that runs a second time (e.g. a reward model refreshed on a post-trained model's samples, then
+    a second round of post-training), the stage runs with ``run_dir=<run_dir>/<name>`` and writes
+    ``<run_dir>/<name>/<command>/``."""
 
     command: str = "pretrain"
     config: str = ""
     overrides: list[str] = field(default_factory=list)
     data_from: str | None = None
+    name: str | None = None
+
+    def folder(self, run: Path) -> Path:
+        """Where the stage writes: ``run/<command>`` or ``run/<name>/<command>``."""
+        return (run / self.name if self.name else run) / self.command
 
 
 @dataclass
@@ -78,18 +86,20 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
     ``stages.<i>`` and the key."""
     if not cfg.stages:
         raise ConfigError("pipeline: 'stages' is empty")
-    commands = [s.command for s in cfg.stages]
-    for i, command in enumerate(commands):
-        if command in commands[:i]:
-            raise ConfigError(f"pipeline: stages.{i}.command: '{command}' appears twice; every stage writes "
-                              f"<run_dir>/<command>/, so one pipeline runs each command once")
     run, out, source = Path(cfg.run_dir), [], None  # source: the export the next stage starts from
+    folders = [s.folder(run) for s in cfg.stages]
+    for i, stage in enumerate(cfg.stages):
+        if stage.name is not None and (not stage.name or "/" in stage.name or stage.name in (".", "..")):
+            raise ConfigError(f"pipeline: stages.{i}.name: '{stage.name}' must be a plain folder name")
+        if folders[i] in folders[:i]:
+            raise ConfigError(f"pipeline: stages.{i}: '{stage.command}' would write {folders[i]} a second time; "
+                              f"give the second one a name (stages.{i}.name), whose folder it then writes under")
     for i, stage in enumerate(cfg.stages):
         try:
             schema, train = get_stage(stage.command)
         except ValueError as e:
             raise ConfigError(f"pipeline: stages.{i}.command: {e}") from e
-        overrides = [*stage.overrides, f"run_dir={cfg.run_dir}"]
+        overrides = [*stage.overrides, f"run_dir={run / stage.name if stage.name else cfg.run_dir}"]
         if source is not None:
             overrides.append(f"{STAGES[stage.command].source_key}={source}")
         if resume and has_checkpoints(schema):
@@ -107,7 +117,7 @@ def plan(cfg: PipelineConfig, resume: bool = False) -> list[PlannedStage]:
             raise ConfigError(f"pipeline: stages.{i} ({stage.command}): {e}") from e
         out.append(PlannedStage(stage, schema, train, overrides + data, loaded))
         if stage.command in model_stages():
-            source = run / stage.command / "export"
+            source = stage.folder(run) / "export"
         elif source is None and dotted(loaded, STAGES[stage.command].source_key):
             source = dotted(loaded, STAGES[stage.command].source_key)  # a data or reward stage first: its export
     return out

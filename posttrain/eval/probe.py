@@ -50,14 +50,16 @@ class ProbeConfig:
 @dataclass
 class ProbeRewards:
     """The task's rewards as eval entries (``NAME`` or ``NAME@PATH``, see
-    :func:`posttrain.eval.evaluate.parse_eval_reward`): ``reward`` the headline, ``guard`` the second."""
+    :func:`posttrain.eval.evaluate.parse_eval_reward`): ``reward`` the headline, ``guard`` the second,
+    ``trained`` (optional, "" for none) a learned reward that arms train on."""
 
     reward: str
     guard: str
+    trained: str = ""
     fns: dict = field(default_factory=dict)
 
     def build(self) -> "ProbeRewards":
-        for entry in (self.reward, self.guard):
+        for entry in (self.reward, self.guard, *([self.trained] if self.trained else [])):
             name, params = parse_eval_reward(entry)
             self.fns[entry] = build_reward(name, **params)
         return self
@@ -97,8 +99,11 @@ def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> 
 
 
 def probe(model: torch.nn.Module, stage, cfg: ProbeConfig, rewards: ProbeRewards) -> dict:
-    """A sweep's probe (:func:`probe_scores` with the task's two rewards). Returns ``{"reward": [P]
-    per-prompt means, "guard_reward": [P], "guard_loss": float}``."""
+    """A sweep's probe (:func:`probe_scores` with the task's rewards). Returns ``{"reward": [P]
+    per-prompt means, "guard_reward": [P], "guard_loss": float}``, and ``"trained_reward": [P]`` when
+    ``rewards.trained`` is set."""
     fns = {"reward": rewards.fns[rewards.reward], "guard_reward": rewards.fns[rewards.guard]}
+    if rewards.trained:
+        fns["trained_reward"] = rewards.fns[rewards.trained]
     scores, loss, _, _ = probe_scores(model, stage, cfg, fns)
     return {**scores, "guard_loss": loss}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import sys
 from pathlib import Path
@@ -25,13 +26,19 @@ from posttrain.eval.plots import Series, grid_cells, plot_stage, read_series, si
 
 def find_stages(run: Path) -> list[tuple[str, Path]]:
     """(name, folder) of each stage of ``run`` that has a ``metrics.jsonl``: ``run`` itself when it has
-    one, else its subfolders, in the order of ``run/pipeline.yaml``'s stages, then the rest by name."""
+    one, else its subfolders, in the order of ``run/pipeline.yaml``'s stages (a named stage's folder is
+    ``<name>/<command>``, shown as "name: command"), then the rest by name."""
     if (run / "metrics.jsonl").is_file():
         return [(run.name or str(run), run)]
-    order = [s.get("command") for s in _pipeline_yaml(run).get("stages") or [] if isinstance(s, dict)]
-    found = sorted(d.name for d in run.iterdir() if (d / "metrics.jsonl").is_file())
-    names = [n for n in order if n in found] + [n for n in found if n not in order]
-    return [(n, run / n) for n in dict.fromkeys(names)]
+    order = {}
+    for s in _pipeline_yaml(run).get("stages") or []:
+        if isinstance(s, dict) and s.get("command"):
+            named = s.get("name")
+            order[f"{named}: {s['command']}" if named else s["command"]] = f"{named}/{s['command']}" if named else s["command"]
+    found = {d.name: d.name for d in sorted(run.iterdir()) if (d / "metrics.jsonl").is_file()}
+    stages = {label: rel for label, rel in order.items() if (run / rel / "metrics.jsonl").is_file()}
+    stages.update({n: n for n in found if n not in stages.values()})
+    return [(label, run / rel) for label, rel in stages.items()]
 
 
 def _pipeline_yaml(run: Path) -> dict:
@@ -51,7 +58,7 @@ def stage_section(name: str, folder: Path, run: Path) -> tuple[list[str], Path |
     lines ({key: (x, y)}, see :func:`plot_stage`)."""
     series = read_series(folder / "metrics.jsonl")
     lines = [f"## {name}", "", f"`{folder / 'metrics.jsonl'}`: curves against the step; \"nan\" values are gaps.", ""]
-    png = run / f"report_{name}.png"
+    png = run / f"report_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.png"
     try:
         drawn = plot_stage(series, png, f"{name}: {folder}")
     except ValueError as e:

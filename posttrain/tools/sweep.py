@@ -85,7 +85,7 @@ def needed(cfg: SweepConfig, step: PrepareStep) -> bool:
         return True
     tasks, arms = cfg.selected()
     named = " ".join([cfg.pretrained, *(s for t in tasks for s in (cfg.tasks[t].reward, cfg.tasks[t].guard_reward,
-                                                                   *cfg.tasks[t].overrides)),
+                                                                   cfg.tasks[t].trained_reward, *cfg.tasks[t].overrides)),
                       *(s for a in arms for s in (cfg.arms[a].config, *cfg.arms[a].overrides))])
     created = Path(step.creates)
     return any(re.search(re.escape(str(p)) + r"(?=$|[/\s,}\]\"'])", named) for p in (created, created.parent)
@@ -134,7 +134,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> Path:
             arm_config(cfg, task, arm, cfg.seeds[0])
     for task in tasks:
         t = cfg.tasks[task]
-        rewards = ProbeRewards(t.reward, t.guard_reward).build()
+        rewards = ProbeRewards(t.reward, t.guard_reward, t.trained_reward).build()
         for arm in arms:
             for seed in cfg.seeds:
                 summary = run_one(cfg, task, arm, seed, rewards, log)

@@ -32,10 +32,13 @@ class TaskConfig:
     report (an eval entry ``NAME`` or ``NAME@PATH``), ``guard_reward`` a second held-out reward the
     arms are not trained on. ``command_overrides``: stage command -> overrides that replace
     ``overrides`` for the arms of that command (e.g. a ``reward_gradient`` arm's one differentiable
-    ``reward`` where the RL arms set ``rewards``)."""
+    ``reward`` where the RL arms set ``rewards``). ``trained_reward`` (optional): a learned reward some
+    arms train on (an eval entry), probed too, so the report puts its gain beside ``reward``'s: the
+    hacking gap."""
 
     reward: str = "jpeg_compressibility"
     guard_reward: str = ""
+    trained_reward: str = ""
     overrides: list[str] = field(default_factory=list)
     command_overrides: dict[str, list[str]] = field(default_factory=dict)
 

@@ -74,7 +74,9 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
     head = (f"| arm | seeds | steps | samples | {short(t.reward)} final (SE over seeds) | gain vs start (SE by prompt) "
             f"| z | guard: flow-matching loss change | guard: {short(t.guard_reward)} change (SE) | seconds to reach "
             f"{cfg.baseline}'s final (SE) | reached | speed-up vs {cfg.baseline} |")
-    lines = [head, "|" + "---|" * 12]
+    if t.trained_reward:
+        head += f" trained reward {short(t.trained_reward)}: gain (SE) | {short(t.reward)} gain minus it |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for arm, runs in data.items():
         final = mean_se([prompt_mean(r[-1]["reward"]) for r in runs])
         start = torch.tensor([r[0]["reward"] for r in runs]).T  # [P, seeds]
@@ -94,8 +96,20 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
             f"| {arm} | {len(runs)} | {steps:.0f} | {samples:.0f} | {final[0]:+.4f} ({final[1]:.4f}) | {gain:+.4f} "
             f"({gain_se:.4f}) | {gain / gain_se if gain_se else float('nan'):+.1f} | {loss_change:+.4f} "
             f"| {gdiff:+.4f} ({gdiff_se:.4f}) | {'-' if not reached else f'{tm:.0f} ({tse:.0f})'} "
-            f"| {len(reached)}/{len(runs)} | {'-' if speed != speed else f'{speed:.2f}x'} |")
+            f"| {len(reached)}/{len(runs)} | {'-' if speed != speed else f'{speed:.2f}x'} |"
+            + (hacking_gap(runs, gain) if t.trained_reward else ""))
     return lines, target
+
+
+def hacking_gap(runs: list[list[dict]], gain: float) -> str:
+    """Two table cells: the trained reward's paired gain (SE) over the start, and the headline reward's
+    gain minus it (negative: the trained reward rose more than the truth), "-" for runs without it."""
+    if not all("trained_reward" in r[0] and "trained_reward" in r[-1] for r in runs):
+        return " - | - |"
+    start = torch.tensor([r[0]["trained_reward"] for r in runs]).T
+    end = torch.tensor([r[-1]["trained_reward"] for r in runs]).T
+    d, se, _ = paired_stats(start, end)
+    return f" {d:+.4f} ({se:.4f}) | {gain - d:+.4f} |"
 
 
 def _nanmean(values: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ from pretrain.data.dataset import build_datasets
 from pretrain.text_encoder import NoTextEmbeds
 from rewards.base import build_reward
 from rewards.learned_clip import TextFeatures
-from rewards.learned_judge import JudgeNet, save_learned_judge
+from rewards.learned_judge import JudgeNet, load_learned_judge, save_learned_judge
 from posttrain.tools.train_reward import TrainRewardConfig, fit
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,20 @@ def contrast_order(net: JudgeNet, text: TextFeatures, images: torch.Tensor, capt
     return out
 
 
+def start_from(folder: str, cfg: TrainRewardConfig) -> JudgeNet:
+    """The trainable :class:`JudgeNet` saved in ``folder`` (``judge.init_from``). ``FileNotFoundError``
+    naming the key for a missing folder, ``ValueError`` naming it when the folder's ``model`` block
+    differs from ``cfg.model`` (another architecture or text encoder)."""
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"judge.init_from: '{folder}' is not a learned_judge folder (no config.json; "
+                                f"run train-reward first)")
+    net = load_learned_judge(folder)
+    if net.cfg != cfg.model:
+        raise ValueError(f"judge.init_from: the model in '{folder}' ({net.cfg}) differs from this config's "
+                         f"model block ({cfg.model}); use the same block")
+    return net.train().requires_grad_(True)
+
+
 def train_judge(cfg: TrainRewardConfig) -> dict:
     """Build the pairs, score them with the judge, train and save the stand-in; returns the metrics (also
     in ``metrics.json`` of :meth:`TrainRewardConfig.folder`; the model folder under ``model``)."""
@@ -152,7 +166,7 @@ def train_judge(cfg: TrainRewardConfig) -> dict:
     text = TextFeatures(cfg.model.text_path, cfg.model.text_max_length)
     feats = text(caps)
     torch.manual_seed(cfg.train.seed)
-    net = JudgeNet(cfg.model, text.dim)
+    net = JudgeNet(cfg.model, text.dim) if not jc.init_from else start_from(jc.init_from, cfg)
     log.info("learned_judge: %d training pairs (mean judge score %.3f), %.2f M trainable params", len(y),
              float(y.mean()), sum(p.numel() for p in net.parameters()) / 1e6)
     report = {k: (s[0], text(s[1]), s[2]) for k, s in sets.items() if k.startswith("heldout")}

@@ -75,7 +75,10 @@ class JudgeTargetSection:
     captions (the judge scores these graded negatives too). ``generated_from``: an export folder whose ODE
     samples are added: ``generated`` images on training captions and ``heldout_generated`` on the
     held-out prompts (for the report only), ``num_inference_steps`` steps at ``guidance_scale``, noise
-    from ``seed``, ``batch_size`` per sampling call."""
+    from ``seed``, ``batch_size`` per sampling call. ``init_from``: a ``learned_judge`` folder to start
+    from instead of random weights (its ``model`` block must equal this config's): a stand-in refreshed
+    on the samples of a model post-trained against it, as RLHF retrains its reward model on the current
+    policy's samples (Ouyang et al. 2022; Touvron et al. 2023, Llama 2, section 3.2.2)."""
 
     reward: str = "shapes"
     mismatched: int = 1
@@ -86,6 +89,7 @@ class JudgeTargetSection:
     guidance_scale: float = 4.0
     seed: int = 0
     batch_size: int = 64
+    init_from: str | None = None
 
     def validate(self, prefix: str = "") -> None:
         require_positive(self, prefix, "num_inference_steps", "batch_size")

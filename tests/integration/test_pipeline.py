@@ -91,17 +91,33 @@ def test_data_from_must_name_an_earlier_data_stage(tmp_path, capsys):
     assert "stages.1.data_from: 'curate' is not an earlier data stage" in capsys.readouterr().err
 
 
-def test_a_command_twice_is_refused_and_a_leading_data_stage_passes_its_export(tmp_path, capsys):
+def test_a_command_twice_needs_a_name_and_a_leading_data_stage_passes_its_export(tmp_path, capsys):
+    """A second stage of one command is refused unless named; named, it writes under its name and the
+    stage after it starts from its export."""
     from posttrain.pipeline import PipelineConfig, plan
     from pretrain.config import load_config
 
-    twice = {"run_dir": str(tmp_path / "run"), "stages": [
+    run = tmp_path / "run"
+    twice = {"run_dir": str(run), "stages": [
         {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml")},
-        {"command": "pretrain", "config": str(ROOT / "configs/pretrain/emoji_tiny.yaml")}]}
+        {"command": "midtrain", "config": str(ROOT / "configs/midtrain/emoji_tiny.yaml")},
+        {"command": "midtrain", "config": str(ROOT / "configs/midtrain/emoji_tiny.yaml")}]}
     path = tmp_path / "twice.yaml"
     path.write_text(yaml.safe_dump(twice))
     assert main(["pipeline", str(path)]) == 2
-    assert "stages.1.command: 'pretrain' appears twice" in capsys.readouterr().err
+    assert f"stages.2: 'midtrain' would write {run / 'midtrain'} a second time" in capsys.readouterr().err
+    twice["stages"][2]["name"] = "round2"
+    twice["stages"].append({"command": "midtrain", "config": str(ROOT / "configs/midtrain/emoji_tiny.yaml"),
+                            "name": "round3"})
+    path.write_text(yaml.safe_dump(twice))
+    planned = plan(load_config(PipelineConfig, path))
+    assert f"run_dir={run / 'round2'}" in planned[2].overrides
+    assert f"model.pretrained={run / 'midtrain' / 'export'}" in planned[2].overrides
+    assert f"model.pretrained={run / 'round2' / 'midtrain' / 'export'}" in planned[3].overrides
+    twice["stages"][3]["name"] = "a/b"
+    path.write_text(yaml.safe_dump(twice))
+    assert main(["pipeline", str(path)]) == 2
+    assert "stages.3.name: 'a/b' must be a plain folder name" in capsys.readouterr().err
     lead = {"run_dir": str(tmp_path / "run"), "stages": [
         {"command": "curate", "config": str(ROOT / "configs/curate/emoji_learned_clip.yaml"),
          "overrides": ["model.pretrained=/some/export"]},

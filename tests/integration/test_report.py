@@ -173,3 +173,25 @@ def test_a_pipeline_ends_with_the_report(tmp_path, monkeypatch):
     out = run_pipeline(PipelineConfig(run_dir=str(run), evaluate=False,
                                       stages=[StageConfig(command="pretrain", config=str(tmp_path / "fake.yaml"))]))
     assert out["report"] == run / "report.md" and "![pretrain curves](report_pretrain.png)" in out["report"].read_text()
+
+
+def test_a_named_stage_is_found_under_its_name_in_pipeline_order(tmp_path):
+    """A pipeline's named stage writes ``<name>/<command>/``: the report finds it there, labels it
+    "name: command", keeps the pipeline's order, and names its plot without the colon."""
+    import yaml
+
+    from posttrain.eval.report import find_stages, stage_section
+
+    run = tmp_path / "run"
+    for rel in ("pretrain", "reward_gradient", "refresh/train-reward", "refresh/reward_gradient"):
+        (run / rel).mkdir(parents=True)
+        (run / rel / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+    stages = [{"command": "pretrain"}, {"command": "reward_gradient"},
+              {"command": "train-reward", "name": "refresh"}, {"command": "reward_gradient", "name": "refresh"}]
+    (run / "pipeline.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    found = find_stages(run)
+    assert [label for label, _ in found] == ["pretrain", "reward_gradient", "refresh: train-reward",
+                                             "refresh: reward_gradient"]
+    assert found[3][1] == run / "refresh" / "reward_gradient"
+    _, png, _ = stage_section(*found[3], run)
+    assert png == run / "report_refresh_reward_gradient.png" and png.is_file()

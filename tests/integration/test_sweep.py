@@ -114,3 +114,30 @@ def test_a_reward_gradient_arm_takes_its_command_overrides_not_the_rl_rewards():
     assert refl.reward == {"learned_judge": {"path": "runs/quickstart/train-reward/model"}}
     assert refl.guard.every == 0 and refl.train.seed == 1 and refl.data.layout == "reading"
     assert nft.rewards == {"shapes": 1.0}
+
+
+def test_the_report_puts_the_trained_rewards_gain_beside_the_truths(tiny_export, tmp_path):
+    """With ``trained_reward`` the table adds its paired gain and the headline gain minus it: on hand
+    rows (2 prompts, 1 seed), truth 0.5 -> 0.6 on both prompts (+0.1) and the trained reward 0.2 -> 0.6
+    (+0.4) give +0.4 and -0.3; an arm without trained-reward probes gets dashes."""
+    from posttrain.tools.sweep_config import run_dir_of, write_rows
+    from posttrain.tools.sweep_report import arm_table, collect
+
+    path = _sweep_yaml(tmp_path, tiny_export)
+    cfg = load_config(SweepConfig, path, ["tasks.jpeg.trained_reward=learned_judge@some/model"])
+
+    def row(i, truth, trained=None):
+        return {"iteration": i, "train_s": float(i), "samples": 8 * i, "reward": [truth, truth],
+                "guard_reward": [0.0, 0.0], "guard_loss": 0.1,
+                **({} if trained is None else {"trained_reward": [trained, trained]})}
+
+    for arm, rows in {"flow_grpo": [row(0, 0.5, 0.2), row(3, 0.6, 0.6)], "awm": [row(0, 0.5), row(2, 0.5)]}.items():
+        out = run_dir_of(cfg, "jpeg", arm, 0)
+        out.mkdir(parents=True)
+        write_rows(out / "probes.jsonl", rows)
+    lines, _ = arm_table(cfg, "jpeg", collect(cfg, "jpeg"))
+    assert lines[0].endswith("| trained reward learned_judge: gain (SE) | jpeg_compressibility gain minus it |")
+    assert lines[1].count("---") == lines[0].count("|") - 1
+    flow = next(line for line in lines if line.startswith("| flow_grpo |"))
+    assert flow.endswith("| +0.4000 (0.0000) | -0.3000 |")
+    assert next(line for line in lines if line.startswith("| awm |")).endswith("| - | - |")

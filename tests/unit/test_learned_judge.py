@@ -62,3 +62,27 @@ def test_train_reward_judge_objective_learns_the_judge(tmp_path, tiny_export):
     assert 0.0 <= order["heldout_renders"]["shape"] <= 1.0
     reward = build_reward("learned_judge", path=metrics["model"])
     assert reward(torch.ones(1, 3, 32, 32), ["a red circle"]).shape == (1,)
+
+
+def test_a_refreshed_stand_in_starts_from_the_folder_it_names(tmp_path):
+    """``judge.init_from``: training starts from the saved weights (one epoch at a vanishing learning rate
+    leaves the scores as they were, to 1e-5), and a folder of another architecture is refused by name."""
+    from posttrain.tools.train_reward import TrainRewardConfig
+    from pretrain.config import ConfigError, load_config
+    from posttrain.tools.train_judge import train_judge
+
+    def config(*overrides):
+        return load_config(TrainRewardConfig, "configs/reward/shapes_judge.yaml",
+                           [f"out_dir={tmp_path / 'out'}", "data.scenes=256", "judge.generated_from=null",
+                            "train.epochs=1", "train.lr=1e-12", "train.eval_every=1", *overrides])
+
+    cfg = config()
+    torch.manual_seed(3)
+    source = save_learned_judge(JudgeNet(cfg.model), tmp_path / "source")
+    metrics = train_judge(config(f"judge.init_from={source}"))
+    before, after = build_reward("learned_judge", path=str(source)), build_reward("learned_judge", path=metrics["model"])
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    prompts = ["a red circle", "two blue squares", "a triangle", "a green square above a red circle"]
+    torch.testing.assert_close(after(images, prompts), before(images, prompts), atol=1e-5, rtol=0)
+    with pytest.raises((ValueError, ConfigError), match="judge.init_from"):
+        train_judge(config(f"judge.init_from={source}", "model.width=16"))
