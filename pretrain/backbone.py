@@ -21,6 +21,15 @@ from pretrain.flow import cfg_combine
 from pretrain.schedule import sigma_schedule
 
 
+def _refuse_images(module: "Backbone", args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook: ``ValueError`` when the prompts carry conditioning images and the family
+    (``module.takes_images`` False) has no input for them."""
+    embeds = args[2] if len(args) > 2 else kwargs.get("embeds")
+    if getattr(embeds, "images", None) is not None and not module.takes_images:
+        raise ValueError(f"{type(module).__name__}: the prompts carry conditioning images (editing or "
+                         f"image-to-video data) and this family has no conditioning-image input")
+
+
 class Backbone(torch.nn.Module):
     """Base class of model adapters.
 
@@ -35,9 +44,14 @@ class Backbone(torch.nn.Module):
     #: module each), e.g. ``("transformer_blocks",)``: see :meth:`blocks_of`.
     block_attrs: tuple[str, ...] = ()
 
+    #: Whether ``forward`` reads the prompts' conditioning images (``PromptEmbeds.images``); a family
+    #: without that input refuses prompts that carry them instead of ignoring them.
+    takes_images: bool = False
+
     def __init__(self, transformer: torch.nn.Module):
         super().__init__()
         self.transformer = transformer
+        self.register_forward_pre_hook(_refuse_images, with_kwargs=True)
 
     def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
         """The sampling schedule, float32 ``[num_inference_steps + 1]``, decreasing, last entry 0.

@@ -17,19 +17,20 @@ def expand_null(null_embeds: PromptEmbeds, b: int) -> PromptEmbeds:
 
 def drop_condition(embeds: PromptEmbeds, null_embeds: PromptEmbeds, drop: torch.Tensor) -> PromptEmbeds:
     """``embeds`` ``[B, ...]`` with the rows where ``drop`` (bool ``[B]``) is set replaced by the
-    empty-prompt embedding ``null_embeds`` ``[1, ...]`` (condition dropout for CFG training)."""
+    empty-prompt embedding ``null_embeds`` ``[1, ...]`` (condition dropout for CFG training); the
+    conditioning images, if any, are kept (the unconditional branch keeps them too)."""
     null = expand_null(null_embeds, embeds.tokens.shape[0])
     return PromptEmbeds(torch.where(drop[:, None, None], null.tokens, embeds.tokens),
-                        torch.where(drop[:, None], null.pooled, embeds.pooled))
+                        torch.where(drop[:, None], null.pooled, embeds.pooled), embeds.images)
 
 
 def cfg_branches(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  null_embeds: PromptEmbeds) -> tuple[torch.Tensor, torch.Tensor]:
     """The two CFG branches ``(v_cond, v_uncond)``, float32 ``[B, ...]`` each, from one forward of 2B
     rows (conditional rows first); ``sigma`` ``[B]``, ``null_embeds`` ``[1, ...]`` (the negative or
-    empty prompt). Gradients, if enabled, flow through both halves."""
-    null = expand_null(null_embeds, x.shape[0])
-    both = PromptEmbeds.cat([embeds, null])
+    empty prompt; the unconditional rows keep ``embeds``' conditioning images). Gradients, if enabled,
+    flow through both halves."""
+    both = PromptEmbeds.cat([embeds, embeds.unconditional(null_embeds)])
     v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
     return v_cond, v_uncond
 

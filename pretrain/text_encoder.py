@@ -22,20 +22,38 @@ from pretrain.truncation import TruncationCounter, hf_token_counts
 
 @dataclass
 class PromptEmbeds:
-    """``tokens``: float32 ``[B, L, D]`` (padding positions zeroed); ``pooled``: float32 ``[B, P]``."""
+    """``tokens``: float32 ``[B, L, D]`` (padding positions zeroed); ``pooled``: float32 ``[B, P]``;
+    ``images``: the prompt's conditioning images, or None for a text-only prompt: latents float32
+    ``[B, C_c, h, w]`` in the model's codec space (an editing task's source image, an image-to-video
+    task's first frame). They travel with the prompt: a rollout's trajectory records them with its
+    embeddings, so a recomputed log-prob is conditioned on the very image the rollout saw, and the
+    unconditional CFG branch keeps them (text-free guidance, as InstructPix2Pix's text scale)."""
 
     tokens: torch.Tensor
     pooled: torch.Tensor
+    images: torch.Tensor | None = None
 
     def __getitem__(self, idx) -> "PromptEmbeds":
-        return PromptEmbeds(self.tokens[idx], self.pooled[idx])
+        return PromptEmbeds(self.tokens[idx], self.pooled[idx], None if self.images is None else self.images[idx])
 
     def to(self, *args, **kwargs) -> "PromptEmbeds":
-        return PromptEmbeds(self.tokens.to(*args, **kwargs), self.pooled.to(*args, **kwargs))
+        images = None if self.images is None else self.images.to(*args, **kwargs)
+        return PromptEmbeds(self.tokens.to(*args, **kwargs), self.pooled.to(*args, **kwargs), images)
 
     @staticmethod
     def cat(items: list["PromptEmbeds"]) -> "PromptEmbeds":
-        return PromptEmbeds(torch.cat([i.tokens for i in items]), torch.cat([i.pooled for i in items]))
+        """The rows of ``items`` in order; ``ValueError`` when some carry conditioning images and some do not."""
+        with_images = {i.images is not None for i in items}
+        if len(with_images) > 1:
+            raise ValueError("PromptEmbeds.cat: some prompts carry conditioning images and some do not")
+        images = torch.cat([i.images for i in items]) if with_images == {True} else None
+        return PromptEmbeds(torch.cat([i.tokens for i in items]), torch.cat([i.pooled for i in items]), images)
+
+    def unconditional(self, null: "PromptEmbeds") -> "PromptEmbeds":
+        """The unconditional CFG rows for these prompts: the empty or negative prompt ``null``
+        ``[1, ...]`` repeated to ``B`` rows, with these prompts' conditioning images (if any)."""
+        b = self.tokens.shape[0]
+        return PromptEmbeds(null.tokens.expand(b, -1, -1), null.pooled.expand(b, -1), self.images)
 
 
 class NoTextEmbeds:

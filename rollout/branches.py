@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.guidance import cfg_branches, expand_null
+from pretrain.guidance import cfg_branches
 from pretrain.text_encoder import PromptEmbeds
 
 
@@ -54,7 +54,7 @@ class CFGBranches:
         if torch.is_grad_enabled() and self.detach_uncond and not self.uncond_in_batch:
             v_cond = model(x, sigma, embeds)
             with torch.no_grad():
-                v_uncond = (self.uncond_model or model)(x, sigma, expand_null(null, x.shape[0]))
+                v_uncond = (self.uncond_model or model)(x, sigma, embeds.unconditional(null))
             return v_cond, v_uncond
         v_cond, v_uncond = cfg_branches(model, x, sigma, embeds, null)
         return v_cond, v_uncond.detach() if self.detach_uncond else v_uncond

@@ -54,8 +54,25 @@ class SD3Adapter(Backbone):
         receives whatever its dtype (as ``StableDiffusion3Pipeline``)."""
         return sigma.to(torch.float32) * self.timestep_scale
 
+    takes_images = True
+
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        """The velocity float32 ``[B, C, h, w]``. Prompts with conditioning images (``embeds.images``
+        ``[B, C_c, h, w]``) are read InstructPix2Pix's way (Brooks et al. 2023): the latents
+        concatenated on channels, for a transformer built with ``in_channels`` = C + C_c
+        (``model.overrides.in_channels``) and ``out_channels`` = C. ``ValueError`` when the channels do
+        not add up."""
         dtype = next(self.transformer.parameters()).dtype
+        want = self.transformer.config.in_channels
+        if embeds.images is not None:
+            if embeds.images.shape[0] != x.shape[0] or embeds.images.shape[2:] != x.shape[2:]:
+                raise ValueError(f"SD3Adapter: conditioning images {tuple(embeds.images.shape)} do not match the "
+                                 f"latents {tuple(x.shape)} in batch and size")
+            x = torch.cat([x, embeds.images.to(x.dtype)], 1)
+        if x.shape[1] != want:
+            raise ValueError(f"SD3Adapter: the transformer takes {want} input channels, got {x.shape[1]} (latents"
+                             f"{' + conditioning images' if embeds.images is not None else ''}; an editing model "
+                             f"needs model.overrides.in_channels = latent + image channels, and its prompts images)")
         out = self.transformer(
             hidden_states=x.to(dtype), encoder_hidden_states=embeds.tokens.to(dtype),
             pooled_projections=embeds.pooled.to(dtype), timestep=self.timestep(sigma.to(x.device)),
@@ -88,7 +105,8 @@ def build_transformer(cfg: ModelConfig, sample_size: int, channels: int, text_di
     kw = {**SD3_PRESETS[cfg.preset], **dict(cfg.overrides)}
     if sample_size % kw["patch_size"]:
         raise ValueError(f"model: sample size {sample_size} is not divisible by patch_size {kw['patch_size']}")
+    kw = {"in_channels": channels, "out_channels": channels, **kw}  # an editing model: in_channels overridden
     return SD3Transformer2DModel(
-        sample_size=sample_size, in_channels=channels, out_channels=channels, joint_attention_dim=text_dim,
+        sample_size=sample_size, joint_attention_dim=text_dim,
         pooled_projection_dim=pooled_dim, pos_embed_max_size=sample_size // kw["patch_size"], **kw,
     )
