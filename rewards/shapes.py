@@ -222,3 +222,27 @@ def shapes_strict(images: torch.Tensor, prompts: list[str], metadata: dict | Non
 
 
 shapes_strict.categories = ShapesReward.categories  # type: ignore[attr-defined]
+
+
+@register("shapes_edit")
+class ShapesEditReward:
+    """The exact judge of the shapes editing task (:mod:`pretrain.data.shapes_edit`): a prompt
+    ``"<source caption>; <instruction>"`` is looked up (``KeyError`` naming one the grammar cannot
+    produce) and the image judged against its target scene's caption, whose requirements keep every
+    object the instruction leaves alone. float32 ``[B]`` of the partial score (``metric: partial``) or
+    strict correctness (``metric: strict``); images float ``[B, 3, H, W]`` in [0, 1]. :meth:`categories`
+    gives each prompt's edit kind (``colour`` or ``shape``) for the evaluation's per-category table."""
+
+    def __init__(self, metric: str = "partial", **thresholds):
+        self.inner = ShapesReward(metric, **thresholds)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+        from pretrain.data.shapes_edit import edit_for_prompt
+
+        return self.inner(images, [edit_for_prompt(p).target.caption for p in prompts], metadata)
+
+    @staticmethod
+    def categories(prompts: list[str]) -> list[str]:
+        from pretrain.data.shapes_edit import edit_for_prompt
+
+        return [edit_for_prompt(p).op for p in prompts]
