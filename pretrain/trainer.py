@@ -12,7 +12,7 @@ import torch
 
 from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import ConfigError
-from pretrain.data.dataset import build_datasets
+from pretrain.data.dataset import attach_codec, build_datasets
 from pretrain.data.feed import BatchFeed
 from pretrain.data.latent_cache import require_codec
 from pretrain.data.stream import sampler_for
@@ -188,6 +188,7 @@ class PretrainRun:
         self.train_set, self.held = build_datasets(cfg.data, encoder)
         self.null = encoder.encode([""]).to(device)
         self.codec = build_codec(cfg.codec, device=str(device))
+        attach_codec(self.codec, self.train_set, self.held)
         require_codec(self.train_set, self.codec)
         size = cfg.data.size // self.codec.downsample
         with torch.random.fork_rng(devices=[]):

@@ -246,3 +246,12 @@ class ShapesEditReward:
         from pretrain.data.shapes_edit import edit_for_prompt
 
         return [edit_for_prompt(p).op for p in prompts]
+
+
+@register("shapes_edit_strict")
+def shapes_edit_strict(images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+    """Strict correctness of an edit (``shapes_edit`` with ``metric: strict``). float32 ``[B]``."""
+    return ShapesEditReward("strict")(images, prompts, metadata)
+
+
+shapes_edit_strict.categories = ShapesEditReward.categories  # type: ignore[attr-defined]

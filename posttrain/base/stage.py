@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.base.policy import Policy
-from pretrain.data.dataset import EncodedSet, build_datasets
+from pretrain.data.dataset import EncodedSet, attach_codec, build_datasets
 from pretrain.evaluation import write_grid
 from pretrain.models.pipelines import export_pipeline, save_pipeline_lora
 from pretrain.export import ExportMeta, export_model, load_exported, require_export
@@ -51,6 +51,7 @@ class PolicyStage:
         model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device),
                                                     options=cfg.model.options)
         train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
+        attach_codec(codec, train_set, held)
         null = encoder.encode([""]).to(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed_for(cfg.train.seed, "init"))

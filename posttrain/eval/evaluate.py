@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from pretrain.config import require_positive
 
-from pretrain.data.dataset import DataConfig, build_datasets
+from pretrain.data.dataset import DataConfig, attach_codec, build_datasets
 from pretrain.evaluation import heldout_loss
 from pretrain.export import load_exported
 from pretrain.objective import FlowConfig
@@ -190,9 +190,10 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         model.eval()
         default = DataConfig(**meta["data"]) if "data" in meta else DataConfig()  # the pretraining data
         train, held = build_datasets(replace(data or default, size=meta["image_size"]), encoder)
+        attach_codec(codec, train, held)
         prompts = prompts or eval_prompts(cfg, held, train)
         null = encoder.encode([""]).to(device)
-        embeds = encoder.encode(prompts)
+        embeds = (train if cfg.prompts == "train" else held).prompt_embeds(prompts, encoder)
         k, p = cfg.samples_per_prompt, len(prompts)
         bar.update()
         bar.set_postfix_str(f"model {m_i}: sampling {k * p} images")

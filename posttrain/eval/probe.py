@@ -83,7 +83,7 @@ def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> 
     was_training = model.training
     model.eval()
     try:
-        embeds = stage.encoder.encode(prompts)
+        embeds = stage.held.prompt_embeds(prompts, stage.encoder)
         images = paired_samples(model, stage.codec, embeds, stage.null, ecfg, image_size=stage.meta["image_size"],
                                 shift=stage.meta["sampling"]["shift"], device=stage.device)
         k, p = cfg.samples_per_prompt, len(prompts)

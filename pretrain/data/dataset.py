@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ from pretrain.text_encoder import PromptEmbeds
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shards", "latent_cache")
+SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shapes_edit", "shards", "latent_cache")
 CACHE_FORMAT = "v2"  # in every cache file's name: v1 files were pickles (torch.save) and are never read
 
 
@@ -103,7 +104,7 @@ class DataConfig:
             state = "has no train.txt" if path.is_dir() else "does not exist"
             raise ValueError(f"{prefix}path: '{self.path}' {state} (a .txt file of prompts or a folder "
                              f"with train.txt / test.txt)")
-        if self.source == "shapes" and (self.scenes < 1 or self.heldout_per_category < 1 or self.size < 16):
+        if self.source in ("shapes", "shapes_edit") and (self.scenes < 1 or self.heldout_per_category < 1 or self.size < 16):
             raise ValueError(f"{prefix}scenes, {prefix}heldout_per_category: must be >= 1 and {prefix}size >= 16 "
                              f"for source 'shapes', got {self.scenes}, {self.heldout_per_category}, {self.size}")
         if self.layout not in shapes.LAYOUTS:
@@ -131,20 +132,58 @@ class DataConfig:
 @dataclass
 class EncodedSet:
     """``images``: uint8 ``[N, 3, H, W]``; ``captions``: N strings; ``embeds``: their PromptEmbeds (or a
-    :class:`pretrain.data.prompts.LazyEmbeds` that encodes the rows asked for)."""
+    :class:`pretrain.data.prompts.LazyEmbeds` that encodes the rows asked for); ``conditions``: uint8
+    ``[N, 3, H, W]`` conditioning images of the rows (an editing task's source images), or None; ``codec``:
+    the model's codec, which encodes them into the prompts' ``images`` (set by :func:`attach_codec`)."""
 
     images: torch.Tensor
     captions: list[str]
     embeds: PromptEmbeds
+    conditions: torch.Tensor | None = None
+    codec: Any = None
 
     def __len__(self) -> int:
         return len(self.captions)
 
     def batch(self, idx: list[int]) -> tuple[torch.Tensor, PromptEmbeds, list[str]]:
         """Images float32 in [0, 1] ``[B, 3, H, W]`` (videos ``[B, F, 3, H, W]``), embeds, captions for
-        indices ``idx``."""
+        indices ``idx``; with ``conditions``, the embeds carry them encoded by ``codec`` (``ValueError``
+        when no codec is attached)."""
         t = torch.as_tensor(idx, dtype=torch.long)
-        return self.images[t].float() / 255.0, self.embeds[t], [self.captions[i] for i in idx]
+        return self.images[t].float() / 255.0, self.prompt_rows(t), [self.captions[i] for i in idx]
+
+    def prompt_rows(self, t: torch.Tensor) -> PromptEmbeds:
+        """The embeddings of rows ``t`` (long ``[B]``), with their conditioning images when the set has them."""
+        embeds = self.embeds[t]
+        if self.conditions is None:
+            return embeds
+        if self.codec is None:
+            raise ValueError("data: this set's prompts carry conditioning images, and no codec is attached to encode "
+                             "them (pretrain.data.dataset.attach_codec)")
+        images = self.codec.encode(self.conditions[t].float() / 255.0)
+        return PromptEmbeds(embeds.tokens, embeds.pooled, images.to(embeds.tokens.device))
+
+    def prompt_embeds(self, prompts: list[str], encoder) -> PromptEmbeds:
+        """Embeddings of ``prompts`` by ``encoder``; when the set has conditioning images, each prompt's
+        are those of this set's first row with that caption (``KeyError`` naming a prompt it lacks)."""
+        text = encoder.encode(prompts)
+        if self.conditions is None:
+            return text
+        first = {}
+        for i, c in enumerate(self.captions):
+            first.setdefault(c, i)
+        missing = [p for p in prompts if p not in first]
+        if missing:
+            raise KeyError(f"data: no conditioning image for the prompt '{missing[0]}' in this set")
+        rows = self.prompt_rows(torch.tensor([first[p] for p in prompts]))
+        return PromptEmbeds(text.tokens, text.pooled, rows.images)
+
+
+def attach_codec(codec, *sets) -> None:
+    """Give every set of ``sets`` that has conditioning images the ``codec`` that encodes them."""
+    for s in sets:
+        if getattr(s, "conditions", None) is not None:
+            s.codec = codec
 
 
 LAZY_SOURCES = ("shards", "latent_cache")  # read batch by batch: no caption list, no image tensor in memory
@@ -315,6 +354,10 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         return prompt_sets(cfg, encoder)
     if cfg.source == "shapes":
         return shape_sets(cfg, encoder)
+    if cfg.source == "shapes_edit":
+        from pretrain.data.shapes_edit_set import shape_edit_sets
+
+        return shape_edit_sets(cfg, encoder)
     if cfg.source == "shards":
         from pretrain.data.sharded_set import shard_sets
 

@@ -67,3 +67,32 @@ def test_the_edit_reward_judges_against_the_target():
     partial = build_reward("shapes_edit")(images, [e.prompt] * 2).tolist()
     assert partial[0] == 1.0 and partial[1] == 0.75  # the source misses the blue square's colour: 3 of 4 items
     assert strict.categories([e.prompt]) == ["colour"]
+
+
+def test_the_editing_source_gives_prompts_their_source_images(tmp_path):
+    """``data.source: shapes_edit``: targets as images, sources as conditioning images, which the batch
+    encodes with the attached codec into the prompts' images (and refuses without one); held-out edits
+    are never trained on, and a held-out prompt's embeddings carry its own source."""
+    import torch
+
+    from pretrain.codec import PatchifyCodec
+    from pretrain.data.dataset import DataConfig, attach_codec, build_datasets
+    from pretrain.text_encoder import NoTextEmbeds
+
+    cfg = DataConfig(source="shapes_edit", scenes=48, heldout_per_category=4, heldout_fraction=0.25, size=32,
+                     layout="reading", cache_dir=str(tmp_path))
+    train, held = build_datasets(cfg, NoTextEmbeds())
+    assert len(train) == 48 and len(held) == 8 and not set(train.captions) & set(held.captions)
+    with pytest.raises(ValueError, match="no codec is attached"):
+        train.batch([0])
+    codec = PatchifyCodec(1)
+    attach_codec(codec, train, held)
+    images, embeds, captions = train.batch([0, 5])
+    e = edit_for_prompt(captions[1])
+    assert torch.equal(embeds.images, codec.encode(train.conditions[torch.tensor([0, 5])].float() / 255))
+    judge = ShapesJudge()
+    assert judge.judge(train.conditions[5].numpy(), e.source.caption).strict == 1.0  # the source scene
+    assert judge.judge((images[1] * 255).round().byte().numpy(), e.target.caption).strict == 1.0  # the target
+    got = held.prompt_embeds([held.captions[3]], NoTextEmbeds())
+    assert torch.equal(got.images, codec.encode(held.conditions[3:4].float() / 255))
+    assert {edit_for_prompt(c).op for c in held.captions} == {"colour", "shape"}

@@ -19,7 +19,7 @@ from posttrain.base.policy import Policy
 from posttrain.grpo.actor import build_rollout_actor
 from posttrain.grpo.engines.weight_sync import WeightGroup, WeightPacket, checksum, frozen_tensors
 from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, no_grad_model
-from pretrain.data.dataset import build_datasets
+from pretrain.data.dataset import attach_codec, build_datasets
 from pretrain.export import load_exported
 from pretrain.text_encoder import PromptEmbeds
 from rollout.records import RolloutRequest, RolloutResult
@@ -44,6 +44,7 @@ class RolloutWorker:
         model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(self.device),
                                                     options=cfg.model.options)
         train_set, _ = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
+        attach_codec(codec, train_set)
         self.policy = Policy(model, cfg.policy, reference=False)  # the layout; the weights arrive in packets
         apply_model_options(perf, model)  # the trainer's module rewrites, so the same rounding
         sampler = Sampler.build(cfg.rollout, model, encoder, self.device, meta["sampling"]["shift"])
