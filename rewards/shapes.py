@@ -226,7 +226,7 @@ shapes_strict.categories = ShapesReward.categories  # type: ignore[attr-defined]
 
 @register("shapes_edit")
 class ShapesEditReward:
-    """The exact judge of the shapes editing task (:mod:`pretrain.data.shapes_edit`): a prompt
+    """The exact judge of the shapes editing task (:mod:`pretrain.data.shapes` (its edits)): a prompt
     ``"<source caption>; <instruction>"`` is looked up (``KeyError`` naming one the grammar cannot
     produce) and the image judged against its target scene's caption, whose requirements keep every
     object the instruction leaves alone. float32 ``[B]`` of the partial score (``metric: partial``) or
@@ -237,13 +237,13 @@ class ShapesEditReward:
         self.inner = ShapesReward(metric, **thresholds)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
-        from pretrain.data.shapes_edit import edit_for_prompt
+        from pretrain.data.shapes import edit_for_prompt
 
         return self.inner(images, [edit_for_prompt(p).target.caption for p in prompts], metadata)
 
     @staticmethod
     def categories(prompts: list[str]) -> list[str]:
-        from pretrain.data.shapes_edit import edit_for_prompt
+        from pretrain.data.shapes import edit_for_prompt
 
         return [edit_for_prompt(p).op for p in prompts]
 

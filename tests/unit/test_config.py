@@ -150,7 +150,7 @@ def _schema_and_config(command):
 
 @pytest.mark.parametrize("command", ["pretrain", "grpo", "dpo"])
 @pytest.mark.parametrize("override,key,says", [
-    ("data.source=foo", "data.source", "unknown source 'foo' (known: openmoji, moving_emoji, folder, prompts, shapes, shards, latent_cache)"),
+    ("data.source=foo", "data.source", "unknown source 'foo' (known: openmoji, moving_emoji, folder, prompts, shapes, shapes_edit, shards, latent_cache)"),
     ("data.source=folder", "data.path", "required when data.source is 'folder'"),
     ("data.source=prompts", "data.path", "required when data.source is 'prompts'"),
     ("data.train_half=2", "data.train_half", "must be 0, 1 or null"),

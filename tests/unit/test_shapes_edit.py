@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pretrain.data import shapes
-from pretrain.data.shapes_edit import all_edits, edit_for_prompt, is_novel, render_edit
+from pretrain.data.shapes import all_edits, edit_for_prompt, is_novel_edit, render_edit
 from rewards.shapes import ShapesJudge
 
 pytestmark = pytest.mark.core
@@ -23,7 +23,7 @@ def test_every_edit_once_with_a_prompt_that_names_it():
     assert all(edit_for_prompt(x.prompt) is x for x in edits[::97])
     with pytest.raises(KeyError, match="'make it pink' is not an edit prompt"):
         edit_for_prompt("make it pink")
-    held = [x for x in edits if is_novel(x, 0.25)]
+    held = [x for x in edits if is_novel_edit(x, 0.25)]
     assert 0.2 < len(held) / len(edits) < 0.3
 
 
