@@ -10,16 +10,11 @@ from pretrain.flow import cfg_combine
 from pretrain.text_encoder import PromptEmbeds
 
 
-def expand_null(null_embeds: PromptEmbeds, b: int) -> PromptEmbeds:
-    """The empty-prompt embedding ``[1, ...]`` repeated to ``[b, ...]``."""
-    return PromptEmbeds(null_embeds.tokens.expand(b, -1, -1), null_embeds.pooled.expand(b, -1))
-
-
 def drop_condition(embeds: PromptEmbeds, null_embeds: PromptEmbeds, drop: torch.Tensor) -> PromptEmbeds:
     """``embeds`` ``[B, ...]`` with the rows where ``drop`` (bool ``[B]``) is set replaced by the
     empty-prompt embedding ``null_embeds`` ``[1, ...]`` (condition dropout for CFG training); the
     conditioning images, if any, are kept (the unconditional branch keeps them too)."""
-    null = expand_null(null_embeds, embeds.tokens.shape[0])
+    null = embeds.unconditional(null_embeds)
     return PromptEmbeds(torch.where(drop[:, None, None], null.tokens, embeds.tokens),
                         torch.where(drop[:, None], null.pooled, embeds.pooled), embeds.images)
 

@@ -33,8 +33,8 @@ def find_stages(run: Path) -> list[tuple[str, Path]]:
     order = {}
     for s in _pipeline_yaml(run).get("stages") or []:
         if isinstance(s, dict) and s.get("command"):
-            named = s.get("name")
-            order[f"{named}: {s['command']}" if named else s["command"]] = f"{named}/{s['command']}" if named else s["command"]
+            named, command = s.get("name"), s["command"]
+            order[f"{named}: {command}" if named else command] = f"{named}/{command}" if named else command
     found = {d.name: d.name for d in sorted(run.iterdir()) if (d / "metrics.jsonl").is_file()}
     stages = {label: rel for label, rel in order.items() if (run / rel / "metrics.jsonl").is_file()}
     stages.update({n: n for n in found if n not in stages.values()})

@@ -85,7 +85,8 @@ def needed(cfg: SweepConfig, step: PrepareStep) -> bool:
         return True
     tasks, arms = cfg.selected()
     named = " ".join([cfg.pretrained, *(s for t in tasks for s in (cfg.tasks[t].reward, cfg.tasks[t].guard_reward,
-                                                                   cfg.tasks[t].trained_reward, *cfg.tasks[t].overrides)),
+                                                                   cfg.tasks[t].trained_reward,
+                                                                   *cfg.tasks[t].overrides)),
                       *(s for a in arms for s in (cfg.arms[a].config, *cfg.arms[a].overrides))])
     created = Path(step.creates)
     return any(re.search(re.escape(str(p)) + r"(?=$|[/\s,}\]\"'])", named) for p in (created, created.parent)

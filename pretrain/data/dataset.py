@@ -104,9 +104,10 @@ class DataConfig:
             state = "has no train.txt" if path.is_dir() else "does not exist"
             raise ValueError(f"{prefix}path: '{self.path}' {state} (a .txt file of prompts or a folder "
                              f"with train.txt / test.txt)")
-        if self.source in ("shapes", "shapes_edit") and (self.scenes < 1 or self.heldout_per_category < 1 or self.size < 16):
+        shapes_like = self.source in ("shapes", "shapes_edit")
+        if shapes_like and (min(self.scenes, self.heldout_per_category) < 1 or self.size < 16):
             raise ValueError(f"{prefix}scenes, {prefix}heldout_per_category: must be >= 1 and {prefix}size >= 16 "
-                             f"for source 'shapes', got {self.scenes}, {self.heldout_per_category}, {self.size}")
+                             f"for source '{self.source}', got {self.scenes}, {self.heldout_per_category}, {self.size}")
         if self.layout not in shapes.LAYOUTS:
             raise ValueError(f"{prefix}layout: unknown '{self.layout}' (known: {', '.join(shapes.LAYOUTS)})")
         if self.source == "shards" and not path.exists():

@@ -79,7 +79,8 @@ class Family:
 
 FAMILIES: Registry = Registry("model family", {
     "sd3": Family(sd3.SD3Adapter, "SD3Transformer2DModel", sd3.SD3_PRESETS, sd3.build_transformer,
-                  overrides=("qk_norm", "dual_attention_layers", "in_channels"), pipelines=(sd3.PIPELINE,), load=sd3.load),
+                  overrides=("qk_norm", "dual_attention_layers", "in_channels"),
+                  pipelines=(sd3.PIPELINE,), load=sd3.load),
     "wan": Family(wan.WanVideoAdapter, "WanTransformer3DModel", wan.WAN_PRESETS, wan.build, video=True,
                   overrides=("qk_norm",), pipelines=(wan.PIPELINE,), load=wan.load),
     "flux": Family(flux.FluxPresetAdapter, "FluxTransformer2DModel", flux.FLUX_PRESETS, flux.build,

@@ -80,7 +80,8 @@ def test_a_refreshed_stand_in_starts_from_the_folder_it_names(tmp_path):
     torch.manual_seed(3)
     source = save_learned_judge(JudgeNet(cfg.model), tmp_path / "source")
     metrics = train_judge(config(f"judge.init_from={source}"))
-    before, after = build_reward("learned_judge", path=str(source)), build_reward("learned_judge", path=metrics["model"])
+    before = build_reward("learned_judge", path=str(source))
+    after = build_reward("learned_judge", path=metrics["model"])
     images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     prompts = ["a red circle", "two blue squares", "a triangle", "a green square above a red circle"]
     torch.testing.assert_close(after(images, prompts), before(images, prompts), atol=1e-5, rtol=0)
