@@ -4,7 +4,9 @@ Protocol: ``reward(images, prompts, metadata) -> Tensor[B]`` float32, where ``im
 float32 ``[B, 3, H, W]`` in [0, 1] (videos ``[B, F, 3, H, W]``); NaN means "not applicable to this
 sample". Any conversion (PIL, resizing, a model's normalisation) happens inside the reward, once.
 ``metadata`` (may be None) holds, from GRPO: ``sample_ids`` (each sample's global index in the iteration),
-``group_ids`` (its prompt group within the batch) and ``iteration``. A reward whose class sets
+``group_ids`` (its prompt group within the batch) and ``iteration``; from GRPO, evaluation and the sweep's
+probes, when the prompts carry conditioning images (editing, image-to-video): ``source_images``, float32
+``[B, 3, H, W]`` in [0, 1], each sample's conditioning image. A reward whose class sets
 ``groupwise = True`` scores a sample against the others of its group (``pairwise_remote``); GRPO then
 requires rollout batches of whole groups (:func:`groupwise_rewards`).
 This package imports nothing else of the project.

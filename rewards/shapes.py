@@ -231,15 +231,25 @@ class ShapesEditReward:
     produce) and the image judged against its target scene's caption, whose requirements keep every
     object the instruction leaves alone. float32 ``[B]`` of the partial score (``metric: partial``) or
     strict correctness (``metric: strict``); images float ``[B, 3, H, W]`` in [0, 1]. :meth:`categories`
-    gives each prompt's edit kind (``colour`` or ``shape``) for the evaluation's per-category table."""
+    gives each prompt's edit kind (``colour`` or ``shape``) for the evaluation's per-category table.
+    ``preserve`` in [0, 1] (default 0) mixes in how much of the source is kept: the score is
+    ``(1 - preserve) * judge + preserve * preserved`` with ``preserved`` of :func:`preserved_fraction`,
+    which reads each sample's source image from ``metadata["source_images"]`` (``ValueError`` naming the
+    key when it is missing)."""
 
-    def __init__(self, metric: str = "partial", **thresholds):
-        self.inner = ShapesReward(metric, **thresholds)
+    def __init__(self, metric: str = "partial", preserve: float = 0.0, **thresholds):
+        if not 0.0 <= preserve <= 1.0:
+            raise ValueError(f"rewards.shapes_edit.preserve: must be in [0, 1], got {preserve}")
+        self.inner, self.preserve = ShapesReward(metric, **thresholds), preserve
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         from pretrain.data.shapes import edit_for_prompt
 
-        return self.inner(images, [edit_for_prompt(p).target.caption for p in prompts], metadata)
+        score = self.inner(images, [edit_for_prompt(p).target.caption for p in prompts], metadata)
+        if self.preserve == 0.0:
+            return score
+        kept = preserved_fraction(images, source_images(metadata, "shapes_edit"), prompts, self.inner.judge)
+        return (1.0 - self.preserve) * score + self.preserve * kept
 
     @staticmethod
     def categories(prompts: list[str]) -> list[str]:
@@ -255,3 +265,63 @@ def shapes_edit_strict(images: torch.Tensor, prompts: list[str], metadata: dict 
 
 
 shapes_edit_strict.categories = ShapesEditReward.categories  # type: ignore[attr-defined]
+
+
+def source_images(metadata: dict | None, reward: str) -> torch.Tensor:
+    """``metadata["source_images"]`` (float ``[B, 3, H, W]`` in [0, 1]); ``ValueError`` naming the key and
+    ``reward`` when the caller gave none (the prompts carry no conditioning images)."""
+    if not metadata or metadata.get("source_images") is None:
+        raise ValueError(f"rewards.{reward}: needs metadata['source_images'] (each sample's source image); this "
+                         "caller's prompts carry no conditioning images")
+    return metadata["source_images"]
+
+
+def edit_box(judge: ShapesJudge, source: np.ndarray, colour: str, shape: str, margin: int) -> np.ndarray:
+    """bool ``[H, W]``: the bounding boxes, grown by ``margin`` px, of the components of ``source`` (uint8 or
+    float 0-255 ``[3, H, W]``) in ``colour`` whose shape reads as ``shape``: where the edited object is, and
+    where its edited form may be drawn (:func:`pretrain.data.shapes.render_edit` keeps the placement)."""
+    from scipy import ndimage
+
+    label = judge.pixel_labels(np.asarray(source, np.float32).transpose(1, 2, 0))
+    box = np.zeros(label.shape, bool)
+    comps, _ = ndimage.label(label == _NAMES.index(colour))
+    for i, sl in enumerate(ndimage.find_objects(comps), start=1):
+        if judge._shape(comps[sl] == i)[0] == shape:
+            box[max(0, sl[0].start - margin):sl[0].stop + margin, max(0, sl[1].start - margin):sl[1].stop + margin] = True
+    return box
+
+
+def preserved_fraction(images: torch.Tensor, sources: torch.Tensor, prompts: list[str],
+                       judge: ShapesJudge | None = None) -> torch.Tensor:
+    """float32 ``[B]`` in [0, 1]: the share of pixels outside the edited object's box (:func:`edit_box`,
+    2 px margin at 32 px) whose palette label (:meth:`ShapesJudge.pixel_labels`: a colour, the background or
+    none) is the source's. 1.0 for the exact target render; an edit drawn on another object, a moved or an
+    added one lowers it. ``images``, ``sources``: float ``[B, 3, H, W]`` in [0, 1]; ``prompts``: edit
+    prompts (``KeyError`` naming one outside the grammar); ``ValueError`` when the shapes differ."""
+    from pretrain.data.shapes import edit_for_prompt
+
+    if images.shape != sources.shape:
+        raise ValueError(f"rewards.shapes_edit: source_images {tuple(sources.shape)} do not match the images "
+                         f"{tuple(images.shape)}")
+    judge = judge or ShapesJudge()
+    gen = (images.detach().float().clamp(0, 1) * 255).cpu().numpy()
+    src = (sources.detach().float().clamp(0, 1) * 255).cpu().numpy()
+    margin = max(1, round(2 * images.shape[-1] / 32))
+    out = []
+    for g, s, p in zip(gen, src, prompts):
+        e = edit_for_prompt(p)
+        before = e.source.objects[e.index]
+        outside = ~edit_box(judge, s, before.colour, before.shape, margin)
+        same = judge.pixel_labels(g.transpose(1, 2, 0)) == judge.pixel_labels(s.transpose(1, 2, 0))
+        out.append(float(same[outside].mean()) if outside.any() else 0.0)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@register("shapes_edit_preserved")
+def shapes_edit_preserved(images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+    """How much of the source an edit keeps (:func:`preserved_fraction`), float32 ``[B]`` in [0, 1]; reads
+    ``metadata["source_images"]`` (``ValueError`` naming the key without it)."""
+    return preserved_fraction(images, source_images(metadata, "shapes_edit_preserved"), prompts)
+
+
+shapes_edit_preserved.categories = ShapesEditReward.categories  # type: ignore[attr-defined]

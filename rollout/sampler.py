@@ -108,7 +108,8 @@ class Sampler:
         the SDE window take ``settings.ode_solver``, given the previous transition's (x, v, sigma).
         ``record_uncond``: keep the unconditional branch's velocities (``Trajectory.uncond_velocities``,
         with CFG only) so that training before the first optimizer step may reuse them. ``record_means``:
-        keep each transition's Gaussian mean (``Trajectory.means``). The experts of a mixture of denoisers
+        keep each transition's Gaussian mean (``Trajectory.means``). Conditioning images of the prompts
+        (``embeds.images``) are decoded by ``codec`` too (``Trajectory.sources``). The experts of a mixture of denoisers
         are recorded in the settings (:meth:`record_experts`)."""
         self.record_experts(model)
         s = self.settings_for(seed, iteration)
@@ -139,6 +140,7 @@ class Sampler:
         traj = Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), s, embeds, codec.decode(x),
                           list(prompts), group_ids.clone(), torch.as_tensor(sample_ids), uncond)
         traj.means = torch.stack(means, 1) if record_means else None
+        traj.sources = None if embeds.images is None else codec.decode(embeds.images)
         return traj
 
     def rollout(self, model, codec, prompts: EncodedSet, prompt_idx: list[int], *, latent_shape: tuple[int, ...],

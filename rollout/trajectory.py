@@ -82,7 +82,10 @@ class Trajectory:
     trained), else None (``log_probs``, the behaviour policy's, serve as the old ones); ``means``: float32
     ``[B, T, *latent]``, the mean of each transition's Gaussian under the policy that drew it (its
     ``SDEStep.mean``), when the rollout recorded them (``record_means``: losses that need the old policy's
-    per-step Gaussian, Flow-DPPO and GRPO-Guard), else None."""
+    per-step Gaussian, Flow-DPPO and GRPO-Guard), else None; ``sources``: float32 ``[B, 3, H, W]`` in
+    [0, 1], each sample's conditioning image decoded by the codec that decoded ``images`` (an edit's source
+    image, an image-to-video clip's first frame), when its prompt carries one (``embeds.images``), else
+    None: what a reward reads as ``metadata["source_images"]`` (:meth:`reward_metadata`)."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
@@ -96,9 +99,18 @@ class Trajectory:
     versions: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     means: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
+
+    def reward_metadata(self, iteration: int) -> dict:
+        """The ``metadata`` a reward is called with (:mod:`rewards.base`): ``sample_ids``, ``group_ids``,
+        ``iteration``, and ``source_images`` (``sources``) when the prompts carry conditioning images."""
+        meta = {"sample_ids": self.sample_ids, "group_ids": self.group_ids, "iteration": iteration}
+        if self.sources is not None:
+            meta["source_images"] = self.sources
+        return meta
 
     @property
     def sigmas(self) -> torch.Tensor:
@@ -115,7 +127,7 @@ class Trajectory:
         return Trajectory(move(self.latents), move(self.log_probs), settings, self.embeds.to(device),
                           move(self.images), list(self.prompts), move(self.group_ids), move(self.sample_ids),
                           move(self.uncond_velocities), move(self.versions), move(self.old_log_probs),
-                          move(self.means))
+                          move(self.means), move(self.sources))
 
     def select(self, idx: torch.Tensor) -> "Trajectory":
         """The samples at ``idx`` (long ``[k]``), same settings."""
@@ -125,7 +137,7 @@ class Trajectory:
                           self.images[idx.to(self.images.device)], [self.prompts[i] for i in idx.tolist()],
                           self.group_ids[idx], self.sample_ids[idx],
                           _take(self.uncond_velocities, dev), _take(self.versions, idx),
-                          _take(self.old_log_probs, dev), _take(self.means, dev))
+                          _take(self.old_log_probs, dev), _take(self.means, dev), _take(self.sources, dev))
 
     @staticmethod
     def cat(items: list["Trajectory"]) -> "Trajectory":
@@ -138,7 +150,7 @@ class Trajectory:
             [p for t in items for p in t.prompts], torch.cat([t.group_ids for t in items]),
             torch.cat([t.sample_ids for t in items]),
             _cat([t.uncond_velocities for t in items]), _cat([t.versions for t in items]),
-            _cat([t.old_log_probs for t in items]), _cat([t.means for t in items]),
+            _cat([t.old_log_probs for t in items]), _cat([t.means for t in items]), _cat([t.sources for t in items]),
         )
 
 

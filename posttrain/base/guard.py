@@ -218,7 +218,7 @@ class Guard:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         fns = dict(self.fns)
         if self.trained is not None:
-            fns["trained"] = lambda images, prompts, metadata=None: self.trained(images, prompts)[0]
+            fns["trained"] = lambda images, prompts, metadata=None: self.trained(images, prompts, metadata)[0]
         scores, loss, images, prompts = probe_scores(model, self.stage, self.cfg.probe_config(), fns)
         values = {name: prompt_mean(scores[name]) for name in self.fns}
         if self.cfg.loss:

@@ -146,6 +146,15 @@ def paired_samples(model, codec, embeds, null, cfg: EvalConfig, *, image_size: i
     return torch.cat(images)
 
 
+def reward_metadata(codec, embeds, k: int) -> dict | None:
+    """The ``metadata`` the rewards get with :func:`paired_samples`' ``k * P`` images: ``source_images``
+    (float32 ``[K * P, 3, H, W]`` in [0, 1] on the CPU, each prompt's conditioning image decoded by
+    ``codec``, sample-major as the images are) when the prompts carry them, else None."""
+    if embeds.images is None:
+        return None
+    return {"source_images": codec.decode(embeds.images).cpu().float().repeat(k, 1, 1, 1)}
+
+
 def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
     """``cfg.num_prompts`` prompts evenly spaced over ``cfg.prompts`` (heldout, train or a file);
     ``FileNotFoundError`` naming ``--prompts`` for a missing file."""
@@ -201,8 +210,9 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
                                 shift=meta["sampling"]["shift"], device=device)
         bar.update()
         bar.set_postfix_str(f"model {m_i}: scoring")
+        metadata = reward_metadata(codec, embeds, k)
         for name, fn in reward_fns.items():
-            results["rewards"][name].append(fn(images, prompts * k, None).float().view(k, p).T)
+            results["rewards"][name].append(fn(images, prompts * k, metadata).float().view(k, p).T)
         bar.update()
         grid_n = min(cfg.grid_prompts, p)
         marks = None

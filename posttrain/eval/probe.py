@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.eval.evaluate import EvalConfig, eval_prompts, paired_samples, parse_eval_reward
+from posttrain.eval.evaluate import EvalConfig, eval_prompts, paired_samples, parse_eval_reward, reward_metadata
 from pretrain.evaluation import heldout_loss
 from pretrain.objective import FlowConfig
 from rewards.base import build_reward
@@ -87,7 +87,8 @@ def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> 
         images = paired_samples(model, stage.codec, embeds, stage.null, ecfg, image_size=stage.meta["image_size"],
                                 shift=stage.meta["sampling"]["shift"], device=stage.device)
         k, p = cfg.samples_per_prompt, len(prompts)
-        scores = {key: fn(images, prompts * k, None).float().view(k, p).mean(0).tolist() for key, fn in fns.items()}
+        meta = reward_metadata(stage.codec, embeds, k)
+        scores = {key: fn(images, prompts * k, meta).float().view(k, p).mean(0).tolist() for key, fn in fns.items()}
         loss = float("nan")
         if cfg.guard_samples:
             flow = FlowConfig(objective=stage.meta.get("objective", "rectified_flow"))

@@ -47,6 +47,9 @@ def test_the_conditioning_image_is_recorded_and_used_in_recomputation(tiny_expor
     assert torch.equal(traj.embeds.images, sources)  # recorded with the prompts
     picked = Trajectory.cat([traj.select(torch.tensor([2])), traj.select(torch.tensor([0, 1]))])
     assert torch.equal(picked.embeds.images, sources[[2, 0, 1]])  # and kept through select and cat
+    # the rewards read them as pixels, decoded by the codec that decoded the samples
+    assert torch.equal(traj.sources, codec.decode(sources))
+    assert torch.equal(picked.reward_metadata(3)["source_images"], traj.sources[[2, 0, 1]])
     with torch.no_grad():
         for t in range(STEPS):
             again = log_prob(model, traj, t).log_prob

@@ -1,6 +1,7 @@
 """The editing task end to end at its cheapest: a tiny editing model (3 + 3 input channels) pretrained on
-the shapes edits, one GRPO iteration whose rollouts carry the source images, and `posttrain eval` with the
-edit judge per edit kind, each stage through the CLI a user runs."""
+the shapes edits, one GRPO iteration whose rollouts carry the source images (its reward, the guard and the
+evaluation read them: ``preserve`` refuses to score without them), and `posttrain eval` with the edit judge
+per edit kind, each stage through the CLI a user runs."""
 
 import json
 
@@ -24,9 +25,15 @@ def test_pretrain_grpo_and_eval_on_the_editing_task(tmp_path, capsys):
     assert main(["grpo", str(ROOT / "configs/grpo/shapes_edit.yaml"), f"run_dir={run}", f"model.pretrained={export}",
                  "train.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.batch_size=4",
                  "rollout.num_inference_steps=3", "train.batch_size=4", "guard.every=1", "guard.num_prompts=2",
-                 "guard.loss_samples=4", "checkpoint.every=1", "train.threads=1", *DATA]) == 0
+                 "guard.loss_samples=4", "checkpoint.every=1", "train.threads=1", "~rewards",
+                 "rewards={shapes_edit: {weight: 1.0, preserve: 0.25}}", "guard.rewards=[shapes_edit_preserved]",
+                 *DATA]) == 0
+    rows = [json.loads(x) for x in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert any(0.0 <= r.get("guard/shapes_edit_preserved", -1) <= 1.0 for r in rows)
     capsys.readouterr()
     assert main(["eval", str(export), str(run / "grpo" / "export"), "--rewards", "shapes_edit_strict", "shapes_edit",
+                 "shapes_edit_preserved",
                  "--prompts", "heldout", "--num-prompts", "4", "--steps", "3", "--out", str(run / "eval")]) == 0
     table = (run / "eval" / "report.md").read_text()
     assert "| shapes_edit_strict: colour (2 prompts) |" in table and "| shapes_edit: shape (2 prompts) |" in table
+    assert "| shapes_edit_preserved (mean) |" in table

@@ -96,3 +96,40 @@ def test_the_editing_source_gives_prompts_their_source_images(tmp_path):
     got = held.prompt_embeds([held.captions[3]], NoTextEmbeds())
     assert torch.equal(got.images, codec.encode(held.conditions[3:4].float() / 255))
     assert {edit_for_prompt(c).op for c in held.captions} == {"colour", "shape"}
+
+
+def test_the_preservation_score_reads_the_source_image():
+    """``shapes_edit_preserved``: 1.0 for the exact target and for the unedited source (nothing outside the
+    edited object moved), lower for an edit drawn on another object, the share of the source's background
+    outside the box for a blank image; ``shapes_edit`` with ``preserve`` mixes it in; no source, a clear error."""
+    import torch
+
+    from rewards.base import build_reward
+    from rewards.shapes import edit_box
+
+    judge, rng, edits = ShapesJudge(), np.random.default_rng(1), all_edits()
+    for k in rng.choice(len(edits), size=200, replace=False):  # every edit kind: the target keeps the rest
+        e = edits[int(k)]
+        source, target, _ = render_edit(e, 32, seed=int(k))
+        both = torch.from_numpy(np.stack([target, source])).float() / 255
+        kept = build_reward("shapes_edit_preserved")(both, [e.prompt] * 2, {"source_images": both[[1, 1]]})
+        assert kept.tolist() == [1.0, 1.0], e.prompt
+    e = edit_for_prompt("a red square and a green circle; make the red square blue")
+    source, target, _ = render_edit(e, 32, seed=3)
+    wrong = edit_for_prompt("a red square and a green circle; make the green circle blue")
+    _, wrong_target, _ = render_edit(wrong, 32, seed=3)  # the other object edited instead
+    blank = np.full_like(source, 255)
+    images = torch.from_numpy(np.stack([target, wrong_target, blank])).float() / 255
+    meta = {"source_images": torch.from_numpy(np.stack([source] * 3)).float() / 255}
+    kept = build_reward("shapes_edit_preserved")(images, [e.prompt] * 3, meta)
+    outside = ~edit_box(judge, source, "red", "square", 2)
+    src_label = judge.pixel_labels(source.transpose(1, 2, 0).astype(np.float32))
+    background = float((src_label[outside] == len(shapes.COLOURS)).mean())
+    assert kept[0] == 1.0 and 0.8 < kept[1] < 1.0 and kept[2] == pytest.approx(background, abs=1e-6)
+    judged = build_reward("shapes_edit")(images, [e.prompt] * 3)
+    mixed = build_reward("shapes_edit", preserve=0.25)(images, [e.prompt] * 3, meta)
+    assert torch.allclose(mixed, 0.75 * judged + 0.25 * kept)
+    with pytest.raises(ValueError, match=r"rewards.shapes_edit: needs metadata\['source_images'\]"):
+        build_reward("shapes_edit", preserve=0.25)(images, [e.prompt] * 3)
+    with pytest.raises(ValueError, match="preserve: must be in"):
+        build_reward("shapes_edit", preserve=1.5)

@@ -31,8 +31,7 @@ class LocalEngine:
         picked = self.prompts.next(ro.prompts_per_step)
         mine, offset = ranks.prompt_share(picked, ro.group_size)
         traj = self.actor.rollout(mine, iteration=iteration, sample_offset=offset,
-                                  on_batch=lambda b: scorer.submit(b.images, b.prompts, {
-                                      "sample_ids": b.sample_ids, "group_ids": b.group_ids, "iteration": iteration}))
+                                  on_batch=lambda b: scorer.submit(b.images, b.prompts, b.reward_metadata(iteration)))
         t1 = time.perf_counter()
         decode = self.actor.decode_seconds
         total, raw, group_ids = ranks.gather(*scorer.gather(), traj.group_ids)  # all ranks' samples

@@ -135,8 +135,7 @@ class RayEngine:
             self.scores[result.request_id] = actor.score.remote(ref)
             return
         t = result.trajectory
-        args = (t.images, t.prompts, {"sample_ids": t.sample_ids, "group_ids": t.group_ids,
-                                      "iteration": result.iteration})
+        args = (t.images, t.prompts, t.reward_metadata(result.iteration))
         self.scores[result.request_id] = (self.scoring.submit(self.rewards, *args) if self.scoring
                                           else args)
 

@@ -42,5 +42,4 @@ class RewardActor:
         """(total float32 ``[B]``, ``{name: raw float32 [B]}``) of a
         :class:`rollout.records.RolloutResult`'s images, prompts and sample ids."""
         t = result.trajectory
-        return self.reward(t.images, t.prompts, {"sample_ids": t.sample_ids, "group_ids": t.group_ids,
-                                                    "iteration": result.iteration})
+        return self.reward(t.images, t.prompts, t.reward_metadata(result.iteration))
