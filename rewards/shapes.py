@@ -287,7 +287,8 @@ def edit_box(judge: ShapesJudge, source: np.ndarray, colour: str, shape: str, ma
     comps, _ = ndimage.label(label == _NAMES.index(colour))
     for i, sl in enumerate(ndimage.find_objects(comps), start=1):
         if judge._shape(comps[sl] == i)[0] == shape:
-            box[max(0, sl[0].start - margin):sl[0].stop + margin, max(0, sl[1].start - margin):sl[1].stop + margin] = True
+            rows = slice(max(0, sl[0].start - margin), sl[0].stop + margin)
+            box[rows, max(0, sl[1].start - margin):sl[1].stop + margin] = True
     return box
 
 

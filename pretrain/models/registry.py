@@ -84,7 +84,7 @@ FAMILIES: Registry = Registry("model family", {
     "wan": Family(wan.WanVideoAdapter, "WanTransformer3DModel", wan.WAN_PRESETS, wan.build, video=True,
                   overrides=("qk_norm",), pipelines=(wan.PIPELINE,), load=wan.load),
     "flux": Family(flux.FluxPresetAdapter, "FluxTransformer2DModel", flux.FLUX_PRESETS, flux.build,
-                   pipelines=("FluxPipeline",), load=flux.load),
+                   pipelines=flux.PIPELINES, load=flux.load),
     "flux2": Family(flux2.Flux2Adapter, "Flux2Transformer2DModel", pipelines=(flux2.PIPELINE,), load=flux2.load),
     "qwenimage": Family(qwenimage.QwenImageAdapter, "QwenImageTransformer2DModel", pipelines=(qwenimage.PIPELINE,),
                         load=qwenimage.load),
