@@ -82,3 +82,20 @@ class LearnedJudge:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         with torch.no_grad():
             return self.score(images, prompts).cpu()
+
+
+@register("learned_judge_edit")
+class LearnedJudgeEdit(LearnedJudge):
+    """The shapes task's stand-in (:class:`LearnedJudge`) scoring an edit of the shapes editing task: each
+    prompt ``"<source caption>; <instruction>"`` is looked up (:func:`pretrain.data.shapes.edit_for_prompt`,
+    ``KeyError`` naming one outside the grammar) and the image scored against the edit's target caption, as
+    the exact ``shapes_edit`` judge checks it. A differentiable reward for the editing task from a stand-in
+    trained on text-to-image captions (``posttrain train-reward configs/reward/shapes_judge.yaml``); it sees
+    the output only, not the source. float32 ``[B]`` in [0, 1]."""
+
+    reward_name = "learned_judge_edit"
+
+    def score(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from pretrain.data.shapes import edit_for_prompt
+
+        return super().score(images, [edit_for_prompt(p).target.caption for p in prompts])

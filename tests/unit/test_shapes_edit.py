@@ -133,3 +133,25 @@ def test_the_preservation_score_reads_the_source_image():
         build_reward("shapes_edit", preserve=0.25)(images, [e.prompt] * 3)
     with pytest.raises(ValueError, match="preserve: must be in"):
         build_reward("shapes_edit", preserve=1.5)
+
+
+def test_the_stand_in_scores_an_edit_against_its_target_caption(tmp_path):
+    """``learned_judge_edit`` = ``learned_judge`` on the edit's target caption, with the gradient kept."""
+    import torch
+
+    from rewards.base import build_reward
+    from rewards.learned_clip import LearnedClipConfig
+    from rewards.learned_judge import JudgeNet, save_learned_judge
+
+    torch.manual_seed(0)
+    save_learned_judge(JudgeNet(LearnedClipConfig(image_size=32, width=8, embed_dim=16, text_path=None)), tmp_path)
+    e = edit_for_prompt("a red square and a green circle; make the red square blue")
+    source, target, _ = render_edit(e, 32, seed=3)
+    images = (torch.from_numpy(np.stack([target, source])).float() / 255).requires_grad_(True)
+    edit = build_reward("learned_judge_edit", path=str(tmp_path))
+    plain = build_reward("learned_judge", path=str(tmp_path))
+    got = edit.score(images, [e.prompt] * 2)
+    assert torch.allclose(got, plain.score(images, [e.target.caption] * 2))
+    assert not torch.allclose(got, plain.score(images, [e.prompt] * 2))
+    got.sum().backward()
+    assert images.grad is not None and images.grad.abs().sum() > 0
