@@ -106,7 +106,8 @@ class VideoPatchifyCodec:
 class VAECodec:
     """A diffusers ``AutoencoderKL`` (or any VAE with ``encode().latent_dist`` / ``decode().sample``):
     latents = (mean - shift_factor) * scaling_factor, as SD3/FLUX pipelines do. Encoding uses the
-    posterior mean (deterministic)."""
+    posterior mean (deterministic). Inputs move to the VAE's device (a prompt's conditioning image is
+    kept on the CPU with its dataset); outputs stay there."""
 
     def __init__(self, vae: torch.nn.Module):
         self.vae = vae.eval().requires_grad_(False)
@@ -139,12 +140,13 @@ class VAECodec:
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        dist = self.vae.encode((images * 2 - 1).to(self.vae.dtype)).latent_dist
+        dist = self.vae.encode((images * 2 - 1).to(self.vae.device, self.vae.dtype)).latent_dist
         return (dist.mean - self.shift_factor) * self.scaling_factor
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        x = self.vae.decode((latents / self.scaling_factor + self.shift_factor).to(self.vae.dtype)).sample
+        z = (latents / self.scaling_factor + self.shift_factor).to(self.vae.device, self.vae.dtype)
+        x = self.vae.decode(z).sample
         return ((x.float() + 1) / 2).clamp(0, 1)
 
 

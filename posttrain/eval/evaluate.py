@@ -146,13 +146,17 @@ def paired_samples(model, codec, embeds, null, cfg: EvalConfig, *, image_size: i
     return torch.cat(images)
 
 
-def reward_metadata(codec, embeds, k: int) -> dict | None:
+def reward_metadata(codec, embeds, k: int, batch_size: int = 32) -> dict | None:
     """The ``metadata`` the rewards get with :func:`paired_samples`' ``k * P`` images: ``source_images``
     (float32 ``[K * P, 3, H, W]`` in [0, 1] on the CPU, each prompt's conditioning image decoded by
-    ``codec``, sample-major as the images are) when the prompts carry them, else None."""
+    ``codec`` ``batch_size`` at a time, sample-major as the images are) when the prompts carry them, else
+    None."""
     if embeds.images is None:
         return None
-    return {"source_images": codec.decode(embeds.images).cpu().float().repeat(k, 1, 1, 1)}
+    images = embeds.images
+    sources = torch.cat([codec.decode(images[s:s + batch_size]).cpu().float()
+                         for s in range(0, len(images), batch_size)])
+    return {"source_images": sources.repeat(k, 1, 1, 1)}
 
 
 def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
@@ -210,7 +214,7 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
                                 shift=meta["sampling"]["shift"], device=device)
         bar.update()
         bar.set_postfix_str(f"model {m_i}: scoring")
-        metadata = reward_metadata(codec, embeds, k)
+        metadata = reward_metadata(codec, embeds, k, cfg.batch_size)
         for name, fn in reward_fns.items():
             results["rewards"][name].append(fn(images, prompts * k, metadata).float().view(k, p).T)
         bar.update()

@@ -87,7 +87,7 @@ def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> 
         images = paired_samples(model, stage.codec, embeds, stage.null, ecfg, image_size=stage.meta["image_size"],
                                 shift=stage.meta["sampling"]["shift"], device=stage.device)
         k, p = cfg.samples_per_prompt, len(prompts)
-        meta = reward_metadata(stage.codec, embeds, k)
+        meta = reward_metadata(stage.codec, embeds, k, ecfg.batch_size)
         scores = {key: fn(images, prompts * k, meta).float().view(k, p).mean(0).tolist() for key, fn in fns.items()}
         loss = float("nan")
         if cfg.guard_samples:

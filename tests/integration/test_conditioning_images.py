@@ -50,6 +50,11 @@ def test_the_conditioning_image_is_recorded_and_used_in_recomputation(tiny_expor
     # the rewards read them as pixels, decoded by the codec that decoded the samples
     assert torch.equal(traj.sources, codec.decode(sources))
     assert torch.equal(picked.reward_metadata(3)["source_images"], traj.sources[[2, 0, 1]])
+    # the evaluation's metadata follows its images' order, sample-major (sample j of prompt i at j * P + i)
+    from posttrain.eval.evaluate import reward_metadata
+
+    meta = reward_metadata(codec, embeds, 2, batch_size=2)["source_images"]
+    assert torch.equal(meta, codec.decode(sources)[[0, 1, 2, 0, 1, 2]])
     with torch.no_grad():
         for t in range(STEPS):
             again = log_prob(model, traj, t).log_prob

@@ -99,8 +99,8 @@ def test_the_editing_source_gives_prompts_their_source_images(tmp_path):
 
 
 def test_the_preservation_score_reads_the_source_image():
-    """``shapes_edit_preserved``: 1.0 for the exact target and for the unedited source (nothing outside the
-    edited object moved), lower for an edit drawn on another object, the share of the source's background
+    """``shapes_edit_preserved``: 1.0 for the exact target of every edit kind (nothing outside the edited
+    object moved), lower for an edit drawn on another object, the share of the source's background
     outside the box for a blank image; ``shapes_edit`` with ``preserve`` mixes it in; no source, a clear error."""
     import torch
 
@@ -112,8 +112,8 @@ def test_the_preservation_score_reads_the_source_image():
         e = edits[int(k)]
         source, target, _ = render_edit(e, 32, seed=int(k))
         both = torch.from_numpy(np.stack([target, source])).float() / 255
-        kept = build_reward("shapes_edit_preserved")(both, [e.prompt] * 2, {"source_images": both[[1, 1]]})
-        assert kept.tolist() == [1.0, 1.0], e.prompt
+        kept = build_reward("shapes_edit_preserved")(both[:1], [e.prompt], {"source_images": both[1:]})
+        assert kept.tolist() == [1.0], e.prompt
     e = edit_for_prompt("a red square and a green circle; make the red square blue")
     source, target, _ = render_edit(e, 32, seed=3)
     wrong = edit_for_prompt("a red square and a green circle; make the green circle blue")

@@ -94,6 +94,9 @@ class FluxAdapter(SchedulerTimestep, Backbone):
         n = hidden.shape[1]
         if embeds.images is not None:  # FluxKontextPipeline: the source's tokens after the latents, ids[:, 0] = 1
             cond = embeds.images.to(device, dtype)
+            if cond.shape[0] != b or cond.dim() != 4:
+                raise ValueError(f"FluxAdapter: conditioning images {tuple(cond.shape)} for {b} samples; expected "
+                                 f"[{b}, C, h', w'] latents")
             ch, cw = cond.shape[-2:]
             cond_ids = FluxPipeline._prepare_latent_image_ids(b, ch // 2, cw // 2, device, dtype)
             cond_ids[..., 0] = 1
