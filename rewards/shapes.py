@@ -276,13 +276,13 @@ def source_images(metadata: dict | None, reward: str) -> torch.Tensor:
     return metadata["source_images"]
 
 
-def edit_box(judge: ShapesJudge, source: np.ndarray, colour: str, shape: str, margin: int) -> np.ndarray:
-    """bool ``[H, W]``: the bounding boxes, grown by ``margin`` px, of the components of ``source`` (uint8 or
-    float 0-255 ``[3, H, W]``) in ``colour`` whose shape reads as ``shape``: where the edited object is, and
-    where its edited form may be drawn (:func:`pretrain.data.shapes.render_edit` keeps the placement)."""
+def edit_box(judge: ShapesJudge, label: np.ndarray, colour: str, shape: str, margin: int) -> np.ndarray:
+    """bool ``[H, W]``: the bounding boxes, grown by ``margin`` px, of the components of the source's palette
+    labels ``label`` (int ``[H, W]``, :meth:`ShapesJudge.pixel_labels`) in ``colour`` whose shape reads as
+    ``shape``: where the edited object is, and where its edited form may be drawn
+    (:func:`pretrain.data.shapes.render_edit` keeps the placement)."""
     from scipy import ndimage
 
-    label = judge.pixel_labels(np.asarray(source, np.float32).transpose(1, 2, 0))
     box = np.zeros(label.shape, bool)
     comps, _ = ndimage.label(label == _NAMES.index(colour))
     for i, sl in enumerate(ndimage.find_objects(comps), start=1):
@@ -312,8 +312,9 @@ def preserved_fraction(images: torch.Tensor, sources: torch.Tensor, prompts: lis
     for g, s, p in zip(gen, src, prompts):
         e = edit_for_prompt(p)
         before = e.source.objects[e.index]
-        outside = ~edit_box(judge, s, before.colour, before.shape, margin)
-        same = judge.pixel_labels(g.transpose(1, 2, 0)) == judge.pixel_labels(s.transpose(1, 2, 0))
+        label = judge.pixel_labels(s.transpose(1, 2, 0))
+        outside = ~edit_box(judge, label, before.colour, before.shape, margin)
+        same = judge.pixel_labels(g.transpose(1, 2, 0)) == label
         out.append(float(same[outside].mean()) if outside.any() else 0.0)
     return torch.tensor(out, dtype=torch.float32)
 

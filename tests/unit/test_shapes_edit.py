@@ -122,8 +122,8 @@ def test_the_preservation_score_reads_the_source_image():
     images = torch.from_numpy(np.stack([target, wrong_target, blank])).float() / 255
     meta = {"source_images": torch.from_numpy(np.stack([source] * 3)).float() / 255}
     kept = build_reward("shapes_edit_preserved")(images, [e.prompt] * 3, meta)
-    outside = ~edit_box(judge, source, "red", "square", 2)
     src_label = judge.pixel_labels(source.transpose(1, 2, 0).astype(np.float32))
+    outside = ~edit_box(judge, src_label, "red", "square", 2)
     background = float((src_label[outside] == len(shapes.COLOURS)).mean())
     assert kept[0] == 1.0 and 0.8 < kept[1] < 1.0 and kept[2] == pytest.approx(background, abs=1e-6)
     judged = build_reward("shapes_edit")(images, [e.prompt] * 3)
