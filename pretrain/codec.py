@@ -29,6 +29,22 @@ class Codec(Protocol):
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
 
 
+def encode_conditions(codec, images: torch.Tensor) -> torch.Tensor:
+    """Prompts' conditioning images (an edit's source, an image-to-video clip's first frame), float
+    ``[B, 3, H, W]`` in [0, 1], as the denoiser takes them (``PromptEmbeds.images``): the codec's own
+    ``encode_conditions`` where it has one (Wan image-to-video: the first frame's video latents with
+    their frame mask, :class:`pretrain.models.wan.codec.WanImageToVideoCodec`), else its ``encode``."""
+    own = getattr(codec, "encode_conditions", None)
+    return own(images) if own is not None else codec.encode(images)
+
+
+def decode_conditions(codec, conditions: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`encode_conditions`: the conditioning images float32 ``[B, 3, H, W]`` in
+    [0, 1] (what rewards read as ``metadata["source_images"]``)."""
+    own = getattr(codec, "decode_conditions", None)
+    return own(conditions) if own is not None else codec.decode(conditions)
+
+
 class PatchifyCodec:
     """Pixel space: images to [-1, 1], then space-to-depth by ``factor`` (1 = identity layout).
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from pretrain.codec import decode_conditions
 from pretrain.data.dataset import EncodedSet
 from pretrain.guidance import cfg_branches, combine, guided_velocity
 from pretrain.seeding import generator_for
@@ -140,7 +141,7 @@ class Sampler:
         traj = Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), s, embeds, codec.decode(x),
                           list(prompts), group_ids.clone(), torch.as_tensor(sample_ids), uncond)
         traj.means = torch.stack(means, 1) if record_means else None
-        traj.sources = None if embeds.images is None else codec.decode(embeds.images)
+        traj.sources = None if embeds.images is None else decode_conditions(codec, embeds.images)
         return traj
 
     def rollout(self, model, codec, prompts: EncodedSet, prompt_idx: list[int], *, latent_shape: tuple[int, ...],

@@ -13,6 +13,9 @@ class TimedCodec:
     def __init__(self, codec):
         self.codec, self.seconds = codec, 0.0
 
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["codec"], name)  # the wrapped codec's other methods and attributes
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.codec.decode(latents)

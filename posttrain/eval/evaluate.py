@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from pretrain.codec import decode_conditions
 from pretrain.config import require_positive
 
 from pretrain.data.dataset import DataConfig, attach_codec, build_datasets
@@ -154,7 +155,7 @@ def reward_metadata(codec, embeds, k: int, batch_size: int = 32) -> dict | None:
     if embeds.images is None:
         return None
     images = embeds.images
-    sources = torch.cat([codec.decode(images[s:s + batch_size]).cpu().float()
+    sources = torch.cat([decode_conditions(codec, images[s:s + batch_size]).cpu().float()
                          for s in range(0, len(images), batch_size)])
     return {"source_images": sources.repeat(k, 1, 1, 1)}
 

@@ -60,12 +60,13 @@ def run_one(cfg: SweepConfig, task: str, arm: str, seed: int, rewards: ProbeRewa
         record(0.0, 0)
     elapsed, seen = rows[-1]["train_s"], rows[-1]["samples"]
     mark = cfg.eval_every_s * (math.floor(elapsed / cfg.eval_every_s + 1e-9) + 1)
-    while elapsed < cfg.budget_s:
+    budget = cfg.budget_of(arm)
+    while elapsed < budget:
         t0 = time.perf_counter()
         metrics = step_once(stage)
         elapsed += time.perf_counter() - t0
         seen += int(metrics.get("samples", 0))
-        if elapsed >= mark or elapsed >= cfg.budget_s:
+        if elapsed >= mark or elapsed >= budget:
             record(elapsed, seen)
             mark = cfg.eval_every_s * (math.floor(elapsed / cfg.eval_every_s + 1e-9) + 1)
     export = stage.finish()

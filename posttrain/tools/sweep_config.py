@@ -18,11 +18,13 @@ OPEN_ENDED = 1_000_000  # train.steps of a swept run: the budget stops it
 @dataclass
 class ArmConfig:
     """One algorithm: ``command`` a post-training stage (grpo, dpo), ``config`` its YAML file,
-    ``overrides`` dotted overrides applied after it (before the task's)."""
+    ``overrides`` dotted overrides applied after it (before the task's); ``budget_s`` (> 0) replaces the
+    sweep's training seconds for this arm's runs (0: the sweep's ``budget_s``)."""
 
     command: str = "grpo"
     config: str = ""
     overrides: list[str] = field(default_factory=list)
+    budget_s: float = 0.0
 
 
 @dataclass
@@ -84,6 +86,9 @@ class SweepConfig:
             raise ValueError(f"{prefix}baseline: '{self.baseline}' is not an arm ({sorted(self.arms)})")
         if self.budget_s <= 0 or self.eval_every_s <= 0:
             raise ValueError(f"{prefix}budget_s: budget_s and eval_every_s must be > 0")
+        for name, arm in self.arms.items():
+            if arm.budget_s < 0:
+                raise ValueError(f"{prefix}arms.{name}.budget_s: {arm.budget_s} is negative (0: the sweep's budget_s)")
         for key, chosen, known in (("run_tasks", self.run_tasks, self.tasks), ("run_arms", self.run_arms, self.arms)):
             unknown = sorted(set(chosen or []) - set(known))
             if unknown:
@@ -94,6 +99,10 @@ class SweepConfig:
         for name, task in self.tasks.items():
             if not task.reward or not task.guard_reward:
                 raise ValueError(f"{prefix}tasks.{name}: reward and guard_reward are both required")
+
+    def budget_of(self, arm: str) -> float:
+        """Training seconds per run of ``arm``: its own ``budget_s`` where set, else the sweep's."""
+        return self.arms[arm].budget_s or self.budget_s
 
     def selected(self) -> tuple[list[str], list[str]]:
         """(task names, arm names) this invocation runs, in file order."""

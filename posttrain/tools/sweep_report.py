@@ -72,7 +72,7 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
     target = float(np.mean([prompt_mean(runs[-1]["reward"]) for runs in base])) if base else float("nan")
     base_time = mean_se([time_to(r, target) for r in base])[0] if base else float("nan")
     head = (f"| arm | seeds | steps | samples | {short(t.reward)} final (SE over seeds) | gain vs start (SE by prompt) "
-            f"| z | guard: flow-matching loss change | guard: {short(t.guard_reward)} change (SE) | seconds to reach "
+            f"| z | z per seed | guard: flow-matching loss change | guard: {short(t.guard_reward)} change (SE) | seconds to reach "
             f"{cfg.baseline}'s final (SE) | reached | speed-up vs {cfg.baseline} |")
     if t.trained_reward:
         head += f" trained reward {short(t.trained_reward)}: gain (SE) | {short(t.reward)} gain minus it |"
@@ -82,6 +82,8 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
         start = torch.tensor([r[0]["reward"] for r in runs]).T  # [P, seeds]
         end = torch.tensor([r[-1]["reward"] for r in runs]).T
         gain, gain_se, _ = paired_stats(start, end)
+        per_seed = " / ".join(f"{d / se:+.1f}" if se else "-" for d, se, _ in
+                              (paired_stats(start[:, i:i + 1], end[:, i:i + 1]) for i in range(len(runs))))
         gstart = torch.tensor([r[0]["guard_reward"] for r in runs]).T
         gend = torch.tensor([r[-1]["guard_reward"] for r in runs]).T
         gdiff, gdiff_se, _ = paired_stats(gstart, gend)
@@ -94,7 +96,7 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
         samples = np.mean([r[-1]["samples"] for r in runs])
         lines.append(
             f"| {arm} | {len(runs)} | {steps:.0f} | {samples:.0f} | {final[0]:+.4f} ({final[1]:.4f}) | {gain:+.4f} "
-            f"({gain_se:.4f}) | {gain / gain_se if gain_se else float('nan'):+.1f} | {loss_change:+.4f} "
+            f"({gain_se:.4f}) | {gain / gain_se if gain_se else float('nan'):+.1f} | {per_seed} | {loss_change:+.4f} "
             f"| {gdiff:+.4f} ({gdiff_se:.4f}) | {'-' if not reached else f'{tm:.0f} ({tse:.0f})'} "
             f"| {len(reached)}/{len(runs)} | {'-' if speed != speed else f'{speed:.2f}x'} |"
             + (hacking_gap(runs, gain) if t.trained_reward else ""))
@@ -124,7 +126,7 @@ def curve_grid(cfg: SweepConfig, data: dict) -> np.ndarray:
     (a run's last iteration may end past the budget), plus every run's final probe, so a curve ends at
     the final value the table reports."""
     finals = [r[-1]["train_s"] for runs in data.values() for r in runs]
-    end = max([cfg.budget_s, *finals])
+    end = max([cfg.budget_s, *(cfg.budget_of(a) for a in data), *finals])
     return np.union1d(np.linspace(0.0, end, int(math.ceil(end / cfg.eval_every_s)) * 4 + 1), finals)
 
 
@@ -173,6 +175,11 @@ def plot_task(cfg: SweepConfig, task: str, data: dict, target: float, path: Path
     return path
 
 
+def own_budgets(cfg: SweepConfig, arms: list[str]) -> str:
+    """", arm a: 240 s" for the ``arms`` with a budget of their own ("" when none has)."""
+    return "".join(f", {a}: {cfg.budget_of(a):.0f} s" for a in arms if cfg.arms[a].budget_s)
+
+
 def write_report(cfg: SweepConfig) -> Path:
     """``<run_dir>/report.md`` and one ``<task>.png`` per task with probes; returns the report path."""
     root = Path(cfg.run_dir)
@@ -182,7 +189,8 @@ def write_report(cfg: SweepConfig) -> Path:
     spent = (f"; the runs trained {min(trained):.0f}-{max(trained):.0f} s (a run stops at the first iteration "
              f"boundary past the budget)" if trained else "")
     lines = [f"# Sweep: {', '.join(arms) or '(no arm has run)'}", "",
-             f"Each run trains until it has spent its budget of {cfg.budget_s:.0f} s (rollout, reward and update; "
+             f"Each run trains until it has spent its budget of {cfg.budget_s:.0f} s{own_budgets(cfg, arms)} "
+             f"(rollout, reward and update; "
              f"probes, checkpoints and set-up not counted){spent}, from `{cfg.pretrained}`, seeds "
              f"{list(cfg.seeds)}. Held-out probes every "
              f"{cfg.eval_every_s:.0f} s: {cfg.probe.num_prompts} held-out prompts x {cfg.probe.samples_per_prompt} "

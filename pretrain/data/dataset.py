@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from pretrain.data import emoji as emoji_data
 from pretrain.data import moving_emoji
 from pretrain.data import shapes
+from pretrain.codec import encode_conditions
 from pretrain.data.folder import DatasetError, load_image_folder
 from pretrain.data.prompts import LazyEmbeds, blank_images, load_prompts
 from pretrain.seeding import generator_for
@@ -161,7 +162,7 @@ class EncodedSet:
         if self.codec is None:
             raise ValueError("data: this set's prompts carry conditioning images, and no codec is attached to encode "
                              "them (pretrain.data.dataset.attach_codec)")
-        images = self.codec.encode(self.conditions[t].float() / 255.0)
+        images = encode_conditions(self.codec, self.conditions[t].float() / 255.0)
         return PromptEmbeds(embeds.tokens, embeds.pooled, images.to(embeds.tokens.device))
 
     def prompt_embeds(self, prompts: list[str], encoder) -> PromptEmbeds:

@@ -82,7 +82,7 @@ FAMILIES: Registry = Registry("model family", {
                   overrides=("qk_norm", "dual_attention_layers", "in_channels"),
                   pipelines=(sd3.PIPELINE,), load=sd3.load),
     "wan": Family(wan.WanVideoAdapter, "WanTransformer3DModel", wan.WAN_PRESETS, wan.build, video=True,
-                  overrides=("qk_norm",), pipelines=(wan.PIPELINE,), load=wan.load),
+                  overrides=("qk_norm",), pipelines=wan.PIPELINES, load=wan.load),
     "flux": Family(flux.FluxPresetAdapter, "FluxTransformer2DModel", flux.FLUX_PRESETS, flux.build,
                    pipelines=flux.PIPELINES, load=flux.load),
     "flux2": Family(flux2.Flux2Adapter, "Flux2Transformer2DModel", pipelines=(flux2.PIPELINE,), load=flux2.load),

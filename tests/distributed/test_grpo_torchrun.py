@@ -81,6 +81,7 @@ def test_accelerate_multi_gpu_launch_equals_torchrun_and_cpu_launch_is_refused(t
     assert not (tmp_path / "cpu/grpo/metrics.jsonl").exists()
 
 
+@pytest.mark.long  # make test: a config error on every rank in test_config_error_ranks.py
 def test_torchrun_prompts_not_divisible_by_ranks_is_a_config_error(tiny_export, tmp_path):
     proc = _launch(["grpo", "configs/grpo/emoji_tiny.yaml", f"model.pretrained={tiny_export}",
                     f"run_dir={tmp_path}", "rollout.prompts_per_step=3", "train.batch_size=6"], timeout=120)

@@ -80,8 +80,8 @@ def test_a_flux1_folder_refuses_conditioning_images(tmp_path):
 
 def test_log_probs_recomputed_with_the_recorded_source(kontext_dir, capsys):
     from pretrain.data.dataset import EncodedSet, attach_codec
-    from rollout.sampler import log_prob
     from tests.conftest import sampler_rollout
+    from tests.families.family_checks import recomputed_with_recorded_images
     from tests.families.lora_policy import perturbed_lora_policy
 
     model, encoder, codec, _ = load_exported(kontext_dir, options=OPTIONS)
@@ -94,18 +94,7 @@ def test_log_probs_recomputed_with_the_recorded_source(kontext_dir, capsys):
                            sigmas=model.sigmas(STEPS), noise=0.7, scale=1.0,
                            latent_shape=codec.latent_shape(SIZE, SIZE))
     assert torch.equal(traj.embeds.images, codec.encode(conditions[[0, 0, 1, 1, 2, 2]].float() / 255))
-    model.train()
-    worst = 0.0
-    with torch.enable_grad():
-        for start in (0, 3):
-            mb = traj.select(torch.arange(start, start + 3))
-            for t in range(STEPS):
-                ratio = torch.exp(log_prob(model, mb, t).log_prob - mb.log_probs[:, t])
-                worst = max(worst, (ratio - 1).abs().max().item())
-        swapped = traj.select(torch.arange(3))
-        swapped.embeds = PromptEmbeds(swapped.embeds.tokens, swapped.embeds.pooled, swapped.embeds.images.flip(0))
-        same = log_prob(model, traj.select(torch.arange(3)), 1).mean
-        moved = (log_prob(model, swapped, 1).mean - same).abs().max().item() / same.abs().max().item()
+    worst, moved = recomputed_with_recorded_images(model, traj, STEPS)
     with capsys.disabled():
         print(f"\nFLUX Kontext GRPO: largest |ratio - 1| {worst:.2e}; with another source image the step's mean "
               f"moves by {moved:.2e} of its size")

@@ -141,3 +141,31 @@ def test_the_report_puts_the_trained_rewards_gain_beside_the_truths(tiny_export,
     flow = next(line for line in lines if line.startswith("| flow_grpo |"))
     assert flow.endswith("| +0.4000 (0.0000) | -0.3000 |")
     assert next(line for line in lines if line.startswith("| awm |")).endswith("| - | - |")
+
+
+def test_an_arm_budget_replaces_the_sweeps_and_the_table_gives_each_seeds_z(tiny_export, tmp_path):
+    """``arms.<name>.budget_s`` is that arm's budget (others keep the sweep's; a negative one is refused by
+    name), and the report names it. z per seed on hand rows (3 prompts): seed 0 moves 0 -> (1, 0, 1), mean
+    2/3, SD sqrt(1/3), SE 1/3, z 2.0; seed 1 moves every prompt by +1 (SE 0: no z)."""
+    from posttrain.tools.sweep_config import run_dir_of, write_rows
+    from posttrain.tools.sweep_report import arm_table, collect, write_report
+
+    path = _sweep_yaml(tmp_path, tiny_export)
+    with pytest.raises(ConfigError, match=r"arms\.awm\.budget_s: -1\.0 is negative"):
+        load_config(SweepConfig, path, ["arms.awm.budget_s=-1"])
+    cfg = load_config(SweepConfig, path, ["arms.awm.budget_s=30", "seeds=[0,1]"])
+    assert cfg.budget_of("awm") == 30 and cfg.budget_of("flow_grpo") == cfg.budget_s != 30
+
+    def row(i, reward):
+        return {"iteration": i, "train_s": float(i), "samples": 8 * i, "reward": reward,
+                "guard_reward": [0.0] * 3, "guard_loss": 0.1}
+
+    for seed, end in ((0, [1.0, 0.0, 1.0]), (1, [1.0, 1.0, 1.0])):
+        for arm in ("flow_grpo", "awm"):
+            out = run_dir_of(cfg, "jpeg", arm, seed)
+            out.mkdir(parents=True)
+            write_rows(out / "probes.jsonl", [row(0, [0.0] * 3), row(2, end)])
+    lines, _ = arm_table(cfg, "jpeg", collect(cfg, "jpeg"))
+    assert "| z | z per seed |" in lines[0]
+    assert "| +2.0 / - |" in next(line for line in lines if line.startswith("| awm |"))
+    assert ", awm: 30 s (rollout" in write_report(cfg).read_text()

@@ -75,6 +75,7 @@ def test_short_and_corrupt_clips_are_skipped_with_their_reason(clips):
     assert {k for _, k, _ in fed.skipped} == {"short", "broken"} & {train.where(j)[1] for j in range(len(train))}
 
 
+@pytest.mark.long  # make test pretrains from clip shards in test_a_video_cache_trains_what_the_clips_train
 def test_a_video_family_pretrains_from_clip_shards(tmp_path):
     from pretrain.config import load_config
     from pretrain.trainer import PretrainConfig, train

@@ -57,3 +57,32 @@ class WanVideoCodec:
         inv_std = 1.0 / self.latents_std.to(z.device, z.dtype)
         video = self.vae.decode(z / inv_std + mean, return_dict=False)[0]
         return (video.float() * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
+
+
+class WanImageToVideoCodec(WanVideoCodec):
+    """:class:`WanVideoCodec` of a ``WanImageToVideoPipeline`` folder, which also encodes the first frames
+    its prompts carry (:func:`pretrain.codec.encode_conditions`) as the pipeline's ``prepare_latents``
+    builds its condition (Wan2.2 I2V-A14B; Wan team 2025, arXiv 2503.20314, Sec. 5.1).
+
+    :meth:`encode_conditions`: images float ``[B, 3, H, W]`` in [0, 1] -> float32
+    ``[B, T + C, F', h, w]``, T = ``scale_factor_temporal``: the frame mask (1 on the latent frame of the
+    given image, 0 after it, T channels per latent frame) followed by the normalised posterior mean of
+    the video [image, F - 1 frames of 0 in [-1, 1]]. The denoiser takes it concatenated to its latents
+    along channels. :meth:`decode_conditions` returns the image from the condition's first latent frame
+    (the causal VAE encodes the first frame alone)."""
+
+    @torch.no_grad()
+    def encode_conditions(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"WanImageToVideoCodec: conditioning images {tuple(images.shape)}; expected "
+                             f"[B, 3, H, W] first frames in [0, 1]")
+        b, _, h, w = images.shape
+        rest = images.new_full((b, self.num_frames - 1, 3, h, w), 0.5)  # 0 once mapped to [-1, 1]
+        latents = self.encode(torch.cat([images[:, None], rest], 1))
+        mask = torch.zeros(b, self.temporal, *latents.shape[2:], device=latents.device)
+        mask[:, :, 0] = 1.0
+        return torch.cat([mask, latents], 1)
+
+    @torch.no_grad()
+    def decode_conditions(self, conditions: torch.Tensor) -> torch.Tensor:
+        return self.decode(conditions[:, self.temporal:, :1])[:, 0]

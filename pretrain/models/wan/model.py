@@ -54,12 +54,17 @@ class WanVideoAdapter(Backbone):
         ``[B]``, :meth:`timestep` (pipeline adapters may expand it per token)."""
         return self.timestep(sigma)
 
+    def transformer_input(self, x: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        """The transformer's ``hidden_states`` for latents ``x``: ``x`` (an image-to-video adapter
+        concatenates the prompts' conditions)."""
+        return x
+
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         # diffusers' dtype skips the float32-kept modules (``_keep_in_fp32_modules``: scale_shift_table, the
         # time embedder, norms), one of which is the first parameter: bf16 weights take bf16 inputs
         dtype = self.transformer.dtype
         timestep = self.transformer_timestep(x, sigma.to(device=x.device))
-        out = self.transformer(hidden_states=x.to(dtype), timestep=timestep,
+        out = self.transformer(hidden_states=self.transformer_input(x, embeds).to(dtype), timestep=timestep,
                                encoder_hidden_states=embeds.tokens.to(x.device, dtype), return_dict=False)[0]
         return out.float()
 

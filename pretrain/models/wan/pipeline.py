@@ -21,6 +21,12 @@ step's timestep as ``WanPipeline`` gives it without a conditioning image. An A14
 :class:`WanExpertsAdapter` over :class:`pretrain.models.wan.experts.WanExperts`: the step's expert is
 the pipeline's, rollouts record it, and a recomputation that would use another raises. One guidance
 scale for both experts (the pipeline's default; ``guidance_scale_2`` is not modelled).
+
+Image-to-video. A ``WanImageToVideoPipeline`` folder without an image encoder (Wan2.2 I2V-A14B, or one
+transformer) takes each prompt's first frame as a condition concatenated to the latents along channels
+(:class:`pretrain.models.wan.codec.WanImageToVideoCodec`; prompts carry it as ``PromptEmbeds.images``,
+rollouts record it): the transformer's ``in_channels`` are 2 z + T (latents, frame mask, condition
+latents). Wan2.1 I2V (CLIP image embeddings) and TI2V-5B's image mode are refused by name.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ import torch
 from pretrain.models.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
                                       family_meta)
 from pretrain.models.flow_schedule import checked_schedule, set_flow_timesteps
-from pretrain.models.wan.codec import WanVideoCodec, check_num_frames
+from pretrain.models.wan.codec import WanImageToVideoCodec, WanVideoCodec, check_num_frames
 from pretrain.models.wan.experts import WanExperts
 from pretrain.models.wan.model import WanVideoAdapter
 
 COMPONENT = "transformer"
 PIPELINE = "WanPipeline"
+#: The pipeline classes this module loads; an image-to-video folder's prompts carry their first frame.
+PIPELINES = (PIPELINE, "WanImageToVideoPipeline")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIONS = ("image_size", "num_frames", "guidance_scale", "num_inference_steps", "max_sequence_length", "dtype",
            "text_encoder_dtype", "schedule")
@@ -89,8 +97,9 @@ class WanAdapter(WanVideoAdapter):
     from its all-ones text-to-video mask."""
 
     def __init__(self, transformer: torch.nn.Module, scheduler, schedule: str = "pipeline",
-                 expand_timesteps: bool = False):
+                 expand_timesteps: bool = False, takes_images: bool = False):
         super().__init__(transformer)
+        self.takes_images = bool(takes_images)
         self.scheduler_class = type(scheduler)
         self.scheduler_config = dict(scheduler.config)
         self.timestep_scale = float(scheduler.config.num_train_timesteps)
@@ -100,6 +109,20 @@ class WanAdapter(WanVideoAdapter):
     def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
         return scheduler_sigmas(self.scheduler_class, self.scheduler_config, num_inference_steps, shift,
                                 self.schedule)
+
+    def transformer_input(self, x: torch.Tensor, embeds) -> torch.Tensor:
+        """``x`` ``[B, C, F', h, w]``, with an image-to-video folder's conditions (``embeds.images``,
+        :meth:`pretrain.models.wan.codec.WanImageToVideoCodec.encode_conditions`, ``[B, T + C, F', h, w]``)
+        concatenated after it along channels, as ``WanImageToVideoPipeline`` feeds its transformer.
+        ``ValueError`` when the conditions' batch or frame grid differs from ``x``'s."""
+        cond = embeds.images
+        if cond is None:
+            return x
+        if cond.dim() != 5 or cond.shape[0] != x.shape[0] or cond.shape[2:] != x.shape[2:]:
+            raise ValueError(f"WanAdapter: conditions {tuple(cond.shape)} for latents {tuple(x.shape)}; expected "
+                             f"[{x.shape[0]}, T + C, {', '.join(map(str, x.shape[2:]))}] (the image-to-video codec's "
+                             f"encode_conditions)")
+        return torch.cat([x, cond.to(x.device, x.dtype)], 1)
 
     def sequence_parallel(self, group) -> list:
         """The Wan Ulysses plan; ``ValueError`` for ``expand_timesteps`` (the per-token timestep
@@ -172,8 +195,28 @@ def check_folder(path: Path) -> bool:
     return two
 
 
+def check_image_to_video(pipe) -> None:
+    """``ValueError`` for the ``WanImageToVideoPipeline`` folders not modelled: a CLIP image encoder (Wan2.1
+    I2V's ``image_dim``) or ``expand_timesteps`` (Wan2.2 TI2V-5B's image mode, which overwrites the first
+    latent frame instead of concatenating a condition)."""
+    transformers = [t for t in (pipe.transformer, getattr(pipe, "transformer_2", None)) if t is not None]
+    if getattr(pipe, "image_encoder", None) is not None or any(t.config.image_dim for t in transformers):
+        raise ValueError("WanImageToVideoPipeline with a CLIP image encoder (Wan2.1 I2V, transformer image_dim) is "
+                         "not supported: the conditioning here is the first frame's latents (Wan2.2 I2V-A14B)")
+    if pipe.config.get("expand_timesteps"):
+        raise ValueError("WanImageToVideoPipeline with expand_timesteps (Wan2.2 TI2V-5B image-to-video) is not "
+                         "supported; its text-to-video mode loads as a WanPipeline folder")
+    want = 2 * pipe.vae.config.z_dim + pipe.vae.config.scale_factor_temporal
+    if pipe.transformer.config.in_channels != want:
+        raise ValueError(f"WanImageToVideoPipeline: transformer in_channels {pipe.transformer.config.in_channels}, "
+                         f"expected {want} (latents + frame mask + condition latents)")
+
+
 def load(path: Path, device: str, options: dict):
-    """Load a ``WanPipeline`` folder: ``(model, encoder, codec, meta)``.
+    """Load a ``WanPipeline`` or ``WanImageToVideoPipeline`` folder: ``(model, encoder, codec, meta)``; an
+    image-to-video folder's adapter takes conditioning images (the first frame,
+    :class:`pretrain.models.wan.codec.WanImageToVideoCodec`; :func:`check_image_to_video` names the
+    variants refused).
 
     ``options``: ``image_size`` (square side in pixels; default the pipeline's height, 480),
     ``num_frames`` (4k + 1; default 81), ``guidance_scale`` (5.0), ``num_inference_steps`` (50),
@@ -183,32 +226,41 @@ def load(path: Path, device: str, options: dict):
     as Wan's examples load it; ``schedule`` ("pipeline" or "single_shift", see :func:`scheduler_sigmas`).
     Raises ``ValueError`` for an unknown option, dtype or schedule, a frame count that is not 4k + 1,
     an image size the VAE scale x patch size does not divide, or a folder :func:`check_folder` refuses."""
-    from diffusers import AutoencoderKLWan, WanPipeline
+    import diffusers
+    from diffusers import AutoencoderKLWan
     from transformers import UMT5EncoderModel
 
+    from pretrain.models.pipelines import pipeline_class
+
+    cls = pipeline_class(path) or PIPELINE
+    if cls not in PIPELINES:
+        raise ValueError(f"{path}: pipeline class '{cls}' is not a Wan pipeline (known: {list(PIPELINES)})")
+    pipeline_cls, i2v = getattr(diffusers, cls), cls != PIPELINE
     options, dtype = checked_options(options, OPTIONS, DTYPES, "Wan")
     schedule = checked_schedule(options)
     text_dtype = options.get("text_encoder_dtype", dtype)
     if text_dtype not in DTYPES:
         raise ValueError(f"model.options.text_encoder_dtype: '{text_dtype}' is not one of {sorted(DTYPES)}")
     two_experts = check_folder(path)
-    defaults = call_defaults(WanPipeline, "height", "num_frames", "num_inference_steps", "guidance_scale",
+    defaults = call_defaults(pipeline_cls, "height", "num_frames", "num_inference_steps", "guidance_scale",
                              "max_sequence_length")
     vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
     num_frames = check_num_frames(options.get("num_frames", defaults["num_frames"]), vae.config.scale_factor_temporal)
     text_encoder = UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=DTYPES[text_dtype])
-    pipe = WanPipeline.from_pretrained(path, vae=vae, text_encoder=text_encoder, dtype=DTYPES[dtype]).to(device)
+    pipe = pipeline_cls.from_pretrained(path, vae=vae, text_encoder=text_encoder, dtype=DTYPES[dtype]).to(device)
     pipe.set_progress_bar_config(disable=True)
+    if i2v:
+        check_image_to_video(pipe)
     image_size = check_image_size(int(options.get("image_size") or defaults["height"]),
                                   pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1])
     expand = bool(pipe.config.get("expand_timesteps"))
     if two_experts:
         boundary = float(pipe.config.boundary_ratio) * pipe.scheduler.config.num_train_timesteps
         experts = WanExperts(pipe.transformer.eval(), pipe.transformer_2.eval(), boundary)
-        model = WanExpertsAdapter(experts, pipe.scheduler, schedule, expand)
+        model = WanExpertsAdapter(experts, pipe.scheduler, schedule, expand, takes_images=i2v)
     else:
-        model = WanAdapter(pipe.transformer.eval(), pipe.scheduler, schedule, expand)
+        model = WanAdapter(pipe.transformer.eval(), pipe.scheduler, schedule, expand, takes_images=i2v)
     encoder = WanPromptEncoder(pipe, path, int(options.get("max_sequence_length", defaults["max_sequence_length"])),
                                text_dtype, device)
-    meta = family_meta("wan", PIPELINE, COMPONENT, path, image_size, options, defaults)
-    return model, encoder, WanVideoCodec(pipe.vae, num_frames), meta
+    meta = family_meta("wan", cls, COMPONENT, path, image_size, options, defaults)
+    return model, encoder, (WanImageToVideoCodec if i2v else WanVideoCodec)(pipe.vae, num_frames), meta
