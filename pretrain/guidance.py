@@ -16,7 +16,7 @@ def drop_condition(embeds: PromptEmbeds, null_embeds: PromptEmbeds, drop: torch.
     conditioning images, if any, are kept (the unconditional branch keeps them too)."""
     null = embeds.unconditional(null_embeds)
     return PromptEmbeds(torch.where(drop[:, None, None], null.tokens, embeds.tokens),
-                        torch.where(drop[:, None], null.pooled, embeds.pooled), embeds.images)
+                        torch.where(drop[:, None], null.pooled, embeds.pooled), embeds.images, embeds.negative)
 
 
 def cfg_branches(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
@@ -25,7 +25,8 @@ def cfg_branches(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbe
     rows (conditional rows first); ``sigma`` ``[B]``, ``null_embeds`` ``[1, ...]`` (the negative or
     empty prompt; the unconditional rows keep ``embeds``' conditioning images). Gradients, if enabled,
     flow through both halves."""
-    both = PromptEmbeds.cat([embeds, embeds.unconditional(null_embeds)])
+    cond = PromptEmbeds(embeds.tokens, embeds.pooled, embeds.images)  # the forward reads no negative rows
+    both = PromptEmbeds.cat([cond, embeds.unconditional(null_embeds)])
     v_cond, v_uncond = model(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
     return v_cond, v_uncond
 

@@ -27,31 +27,47 @@ class PromptEmbeds:
     ``[B, C_c, h, w]`` in the model's codec space (an editing task's source image, an image-to-video
     task's first frame). They travel with the prompt: a rollout's trajectory records them with its
     embeddings, so a recomputed log-prob is conditioned on the very image the rollout saw, and the
-    unconditional CFG branch keeps them (text-free guidance, as InstructPix2Pix's text scale)."""
+    unconditional CFG branch keeps them (text-free guidance, as InstructPix2Pix's text scale).
+
+    ``negative``: per-row unconditional embeddings (tokens and pooled as these), or None when the empty
+    prompt's embedding is one for every row. A prompt encoder that reads the conditioning image with
+    the text (Qwen-Image-Edit's Qwen2.5-VL) sets it: the negative prompt is encoded with each row's
+    image, so the unconditional branch differs per row."""
 
     tokens: torch.Tensor
     pooled: torch.Tensor
     images: torch.Tensor | None = None
+    negative: "PromptEmbeds | None" = None
 
     def __getitem__(self, idx) -> "PromptEmbeds":
-        return PromptEmbeds(self.tokens[idx], self.pooled[idx], None if self.images is None else self.images[idx])
+        return PromptEmbeds(self.tokens[idx], self.pooled[idx], None if self.images is None else self.images[idx],
+                            None if self.negative is None else self.negative[idx])
 
     def to(self, *args, **kwargs) -> "PromptEmbeds":
         images = None if self.images is None else self.images.to(*args, **kwargs)
-        return PromptEmbeds(self.tokens.to(*args, **kwargs), self.pooled.to(*args, **kwargs), images)
+        negative = None if self.negative is None else self.negative.to(*args, **kwargs)
+        return PromptEmbeds(self.tokens.to(*args, **kwargs), self.pooled.to(*args, **kwargs), images, negative)
 
     @staticmethod
     def cat(items: list["PromptEmbeds"]) -> "PromptEmbeds":
-        """The rows of ``items`` in order; ``ValueError`` when some carry conditioning images and some do not."""
+        """The rows of ``items`` in order; ``ValueError`` when some carry conditioning images (or per-row
+        negative embeddings) and some do not."""
         with_images = {i.images is not None for i in items}
-        if len(with_images) > 1:
-            raise ValueError("PromptEmbeds.cat: some prompts carry conditioning images and some do not")
+        with_negative = {i.negative is not None for i in items}
+        if len(with_images) > 1 or len(with_negative) > 1:
+            what = "conditioning images" if len(with_images) > 1 else "per-row negative embeddings"
+            raise ValueError(f"PromptEmbeds.cat: some prompts carry {what} and some do not")
         images = torch.cat([i.images for i in items]) if with_images == {True} else None
-        return PromptEmbeds(torch.cat([i.tokens for i in items]), torch.cat([i.pooled for i in items]), images)
+        negative = PromptEmbeds.cat([i.negative for i in items]) if with_negative == {True} else None
+        return PromptEmbeds(torch.cat([i.tokens for i in items]), torch.cat([i.pooled for i in items]), images,
+                            negative)
 
     def unconditional(self, null: "PromptEmbeds") -> "PromptEmbeds":
-        """The unconditional CFG rows for these prompts: the empty or negative prompt ``null``
-        ``[1, ...]`` repeated to ``B`` rows, with these prompts' conditioning images (if any)."""
+        """The unconditional CFG rows for these prompts: their own ``negative`` rows where they carry them,
+        else the empty or negative prompt ``null`` ``[1, ...]`` repeated to ``B`` rows; with these
+        prompts' conditioning images (if any)."""
+        if self.negative is not None:
+            return PromptEmbeds(self.negative.tokens, self.negative.pooled, self.images)
         b = self.tokens.shape[0]
         return PromptEmbeds(null.tokens.expand(b, -1, -1), null.pooled.expand(b, -1), self.images)
 

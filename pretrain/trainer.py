@@ -188,7 +188,7 @@ class PretrainRun:
         self.train_set, self.held = build_datasets(cfg.data, encoder)
         self.null = encoder.encode([""]).to(device)
         self.codec = build_codec(cfg.codec, device=str(device))
-        attach_codec(self.codec, self.train_set, self.held)
+        attach_codec(self.codec, self.train_set, self.held, encoder=encoder)
         require_codec(self.train_set, self.codec)
         size = cfg.data.size // self.codec.downsample
         with torch.random.fork_rng(devices=[]):

@@ -51,7 +51,7 @@ class PolicyStage:
         model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(device),
                                                     options=cfg.model.options)
         train_set, held = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
-        attach_codec(codec, train_set, held)
+        attach_codec(codec, train_set, held, encoder=encoder)
         null = encoder.encode([""]).to(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed_for(cfg.train.seed, "init"))

@@ -204,7 +204,7 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         model.eval()
         default = DataConfig(**meta["data"]) if "data" in meta else DataConfig()  # the pretraining data
         train, held = build_datasets(replace(data or default, size=meta["image_size"]), encoder)
-        attach_codec(codec, train, held)
+        attach_codec(codec, train, held, encoder=encoder)
         prompts = prompts or eval_prompts(cfg, held, train)
         null = encoder.encode([""]).to(device)
         embeds = (train if cfg.prompts == "train" else held).prompt_embeds(prompts, encoder)

@@ -143,6 +143,7 @@ class EncodedSet:
     embeds: PromptEmbeds
     conditions: torch.Tensor | None = None
     codec: Any = None
+    encoder: Any = None
 
     def __len__(self) -> int:
         return len(self.captions)
@@ -155,15 +156,22 @@ class EncodedSet:
         return self.images[t].float() / 255.0, self.prompt_rows(t), [self.captions[i] for i in idx]
 
     def prompt_rows(self, t: torch.Tensor) -> PromptEmbeds:
-        """The embeddings of rows ``t`` (long ``[B]``), with their conditioning images when the set has them."""
+        """The embeddings of rows ``t`` (long ``[B]``), with their conditioning images when the set has them;
+        with an attached encoder that reads the images with the text (``reads_images``: Qwen-Image-Edit),
+        each distinct row's text is encoded with its image (``encode_with_images``) instead."""
         embeds = self.embeds[t]
         if self.conditions is None:
             return embeds
         if self.codec is None:
             raise ValueError("data: this set's prompts carry conditioning images, and no codec is attached to encode "
                              "them (pretrain.data.dataset.attach_codec)")
-        images = encode_conditions(self.codec, self.conditions[t].float() / 255.0)
-        return PromptEmbeds(embeds.tokens, embeds.pooled, images.to(embeds.tokens.device))
+        rows, inverse = torch.unique(t, return_inverse=True)  # each distinct row encoded once (group copies)
+        pixels = self.conditions[rows].float() / 255.0
+        images = encode_conditions(self.codec, pixels)[inverse].to(embeds.tokens.device)
+        if not getattr(self.encoder, "reads_images", False):
+            return PromptEmbeds(embeds.tokens, embeds.pooled, images)
+        text = self.encoder.encode_with_images([self.captions[i] for i in rows.tolist()], pixels)[inverse]
+        return PromptEmbeds(text.tokens, text.pooled, images, text.negative)
 
     def prompt_embeds(self, prompts: list[str], encoder) -> PromptEmbeds:
         """Embeddings of ``prompts`` by ``encoder``; when the set has conditioning images, each prompt's
@@ -178,14 +186,17 @@ class EncodedSet:
         if missing:
             raise KeyError(f"data: no conditioning image for the prompt '{missing[0]}' in this set")
         rows = self.prompt_rows(torch.tensor([first[p] for p in prompts]))
+        if rows.negative is not None:  # the encoder read each prompt with its image
+            return rows
         return PromptEmbeds(text.tokens, text.pooled, rows.images)
 
 
-def attach_codec(codec, *sets) -> None:
-    """Give every set of ``sets`` that has conditioning images the ``codec`` that encodes them."""
+def attach_codec(codec, *sets, encoder=None) -> None:
+    """Give every set of ``sets`` that has conditioning images the ``codec`` that encodes them, and the
+    prompt ``encoder`` (used only when it reads the images with the text, ``reads_images``)."""
     for s in sets:
         if getattr(s, "conditions", None) is not None:
-            s.codec = codec
+            s.codec, s.encoder = codec, encoder
 
 
 LAZY_SOURCES = ("shards", "latent_cache")  # read batch by batch: no caption list, no image tensor in memory

@@ -86,7 +86,7 @@ FAMILIES: Registry = Registry("model family", {
     "flux": Family(flux.FluxPresetAdapter, "FluxTransformer2DModel", flux.FLUX_PRESETS, flux.build,
                    pipelines=flux.PIPELINES, load=flux.load),
     "flux2": Family(flux2.Flux2Adapter, "Flux2Transformer2DModel", pipelines=(flux2.PIPELINE,), load=flux2.load),
-    "qwenimage": Family(qwenimage.QwenImageAdapter, "QwenImageTransformer2DModel", pipelines=(qwenimage.PIPELINE,),
+    "qwenimage": Family(qwenimage.QwenImageAdapter, "QwenImageTransformer2DModel", pipelines=qwenimage.PIPELINES,
                         load=qwenimage.load),
     "zimage": Family(zimage.ZImageAdapter, "ZImageTransformer2DModel", pipelines=(zimage.PIPELINE,), load=zimage.load),
     "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),

@@ -93,7 +93,9 @@ def test_log_probs_recomputed_with_the_recorded_source(kontext_dir, capsys):
     traj = sampler_rollout(model.eval(), codec, data, [0, 1, 2], group=2, batch=4, null=encoder.encode([""]),
                            sigmas=model.sigmas(STEPS), noise=0.7, scale=1.0,
                            latent_shape=codec.latent_shape(SIZE, SIZE))
-    assert torch.equal(traj.embeds.images, codec.encode(conditions[[0, 0, 1, 1, 2, 2]].float() / 255))
+    # each rollout batch's distinct rows encoded once (batch sizes differ: float rounding), copied to their groups
+    want = codec.encode(conditions.float() / 255)[[0, 0, 1, 1, 2, 2]]
+    assert (traj.embeds.images - want).abs().max() <= 1e-6
     worst, moved = recomputed_with_recorded_images(model, traj, STEPS)
     with capsys.disabled():
         print(f"\nFLUX Kontext GRPO: largest |ratio - 1| {worst:.2e}; with another source image the step's mean "

@@ -32,15 +32,21 @@ def t5_tokenizer(model_max_length: int = 512):
     return tok
 
 
-def qwen2_tokenizer(model_max_length: int = 2048):
+#: The ids :func:`qwen2_tokenizer` gives Qwen2-VL's vision markers with ``vision=True``.
+VISION_START, VISION_END, IMAGE_PAD = 259, 260, 261
+
+
+def qwen2_tokenizer(model_max_length: int = 2048, vision: bool = False):
     """``Qwen2TokenizerFast``: byte-level BPE over the 256 byte symbols (no merges: one token per byte) plus
     ``<|endoftext|>`` (pad, eos), ``<|im_start|>`` and ``<|im_end|>`` (Qwen's chat-template markers);
-    ids < 259."""
+    ids < 259. ``vision``: also ``<|vision_start|>``, ``<|vision_end|>`` and ``<|image_pad|>`` (ids
+    :data:`VISION_START`, :data:`VISION_END`, :data:`IMAGE_PAD`), what a ``Qwen2VLProcessor`` needs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import Qwen2TokenizerFast
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"] if vision else []
     vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -2,10 +2,7 @@
 config and train, with no project file edited; bad names and options, and a loss declaring what its
 update engine, the rollout or the launch cannot give it, are config errors naming the key (exit 2)."""
 
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -231,13 +228,13 @@ def test_a_capability_the_engines_lack_is_refused_at_config_load(weighted_fm, ti
     assert "guard.export: 'best' keeps one process's unsharded weights" in capsys.readouterr().err
 
 
-def test_the_cli_exits_2_naming_the_key_for_a_loss_that_needs_log_probs_on_ode(tiny_export, tmp_path):
+def test_the_cli_exits_2_naming_the_key_for_a_loss_that_needs_log_probs_on_ode(tiny_export, tmp_path, capsys):
+    from posttrain.cli import main
     from tests.conftest import ROOT
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "posttrain", "grpo", str(ROOT / "configs/grpo/emoji_tiny.yaml"),
-                          f"run_dir={tmp_path}", f"model.pretrained={tiny_export}", "rollout.step=ode"],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    assert out.returncode == 2, out.stderr
-    assert "grpo.loss.name: 'ppo_clip_kl' trains on the rollout's log-probs" in out.stderr
+    code = main(["grpo", str(ROOT / "configs/grpo/emoji_tiny.yaml"), f"run_dir={tmp_path}",
+                 f"model.pretrained={tiny_export}", "rollout.step=ode"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "grpo.loss.name: 'ppo_clip_kl' trains on the rollout's log-probs" in err
     assert not (tmp_path / "grpo").exists()  # refused before the stage wrote anything

@@ -44,7 +44,7 @@ class RolloutWorker:
         model, encoder, codec, meta = load_exported(cfg.model.pretrained, device=str(self.device),
                                                     options=cfg.model.options)
         train_set, _ = build_datasets(replace(cfg.data, size=meta["image_size"]), encoder)
-        attach_codec(codec, train_set)
+        attach_codec(codec, train_set, encoder=encoder)
         self.policy = Policy(model, cfg.policy, reference=False)  # the layout; the weights arrive in packets
         apply_model_options(perf, model)  # the trainer's module rewrites, so the same rounding
         sampler = Sampler.build(cfg.rollout, model, encoder, self.device, meta["sampling"]["shift"])

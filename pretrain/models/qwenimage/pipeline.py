@@ -30,22 +30,28 @@ from pathlib import Path
 import torch
 
 from pretrain.backbone import Backbone
-from pretrain.models.common import (JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep, call_defaults,
-                                      check_image_size, checked_options, family_meta, prompt_encoder_of, text_mask)
+from pretrain.models.common import JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep, text_mask
 from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.text_encoder import PromptEmbeds
 
 COMPONENT = "transformer"
 PIPELINE = "QwenImagePipeline"
+#: The pipeline classes this module loads (Qwen-Image-Edit: :mod:`pretrain.models.qwenimage.edit`).
+PIPELINES = (PIPELINE, "QwenImageEditPipeline")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OPTIONS = ("image_size", "guidance_scale", "num_inference_steps", "max_sequence_length", "dtype")
+OPTIONS = ("image_size", "guidance_scale", "num_inference_steps", "max_sequence_length", "dtype", "condition_area")
 
 
 class QwenImageAdapter(SchedulerTimestep, Backbone):
     """Wraps ``QwenImageTransformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) -> v``
     float32 ``[B, C, h, w]`` (h, w even), ``embeds.tokens`` ``[B, L, D]`` zero-padded Qwen2.5-VL states,
     ``embeds.pooled`` ``[B, 0]`` unused. ``image_seq_len`` (packed tokens of one image) sets the
-    scheduler's dynamic shift in :meth:`sigmas`. Blocks: ``transformer_blocks``."""
+    scheduler's dynamic shift in :meth:`sigmas`. Blocks: ``transformer_blocks``.
+
+    ``takes_images`` (a ``QwenImageEditPipeline`` folder, :mod:`pretrain.models.qwenimage.edit`): the
+    prompts' source latents (``embeds.images`` ``[B, C, h', w']``) are packed and appended after the
+    noisy latents' tokens with their own ``img_shapes`` entry, and the velocity is read from the first
+    (h/2)(w/2) tokens, as the pipeline does."""
 
     lora_targets = JOINT_ATTENTION
     block_attrs = ("transformer_blocks",)
@@ -66,8 +72,9 @@ class QwenImageAdapter(SchedulerTimestep, Backbone):
                        for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")})
         return styles
 
-    def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int):
+    def __init__(self, transformer: torch.nn.Module, scheduler, image_seq_len: int, takes_images: bool = False):
         super().__init__(transformer)
+        self.takes_images = bool(takes_images)
         self.scheduler_class, self.scheduler_config = type(scheduler), dict(scheduler.config)
         self.image_seq_len = int(image_seq_len)
 
@@ -84,11 +91,22 @@ class QwenImageAdapter(SchedulerTimestep, Backbone):
         if getattr(self.transformer, "_parallel_config", None) is None:  # under CP the plan splits the text:
             length = max(int(mask.sum(1).max()), 1)  # it keeps max_sequence_length, which the CP degree divides
             tokens, mask = tokens[:, :length], mask[:, :length]
-        packed = x.to(dtype).view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, 4 * c)
+        if self.takes_images and embeds.images is None:
+            raise ValueError("QwenImageAdapter: a Qwen-Image-Edit folder's prompts need their source images (data "
+                             "with conditioning images, e.g. data.source: shapes_edit)")
+        packed, shapes = pack(x.to(dtype)), [(1, h // 2, w // 2)]
+        n = packed.shape[1]
+        if embeds.images is not None:  # QwenImageEditPipeline: the source's tokens after the latents'
+            cond = embeds.images.to(device, dtype)
+            if cond.dim() != 4 or cond.shape[:2] != (b, c):
+                raise ValueError(f"QwenImageAdapter: source latents {tuple(cond.shape)} for {b} samples of {c} "
+                                 f"channels; expected [{b}, {c}, h', w']")
+            packed = torch.cat([packed, pack(cond)], 1)
+            shapes.append((1, cond.shape[2] // 2, cond.shape[3] // 2))
         out = self.transformer(hidden_states=packed, timestep=self.fed_timestep(sigma.to(device), dtype),
                                encoder_hidden_states=tokens.to(dtype),
                                encoder_hidden_states_mask=None if bool(mask.all()) else mask.long(),
-                               img_shapes=[[(1, h // 2, w // 2)]] * b, guidance=None, return_dict=False)[0]
+                               img_shapes=[shapes] * b, guidance=None, return_dict=False)[0][:, :n]
         return out.float().view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
     def cfg_combine(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
@@ -101,6 +119,12 @@ class QwenImageAdapter(SchedulerTimestep, Backbone):
         guided = (v_uncond + guidance_scale * (v_cond - v_uncond)).view(b, c, h // 2, 2, w // 2, 2)
         norm = lambda v: v.view(b, c, h // 2, 2, w // 2, 2).pow(2).sum((1, 3, 5), keepdim=True).sqrt()  # noqa: E731
         return (guided * (norm(v_cond) / norm(guided))).reshape(b, c, h, w)
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """Latents ``[B, C, h, w]`` (h, w even) -> the pipeline's 2 x 2-patch sequence ``[B, (h/2)(w/2), 4C]``."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, 4 * c)
 
 
 class QwenImageCodec:
@@ -151,29 +175,3 @@ class QwenImagePromptEncoder(PipelinePromptEncoder):
         padded = tokens.new_zeros(tokens.shape[0], self.max_sequence_length, tokens.shape[2])
         padded[:, :tokens.shape[1]] = tokens
         return padded, tokens.new_zeros(tokens.shape[0], 0)
-
-
-def load(path: str | Path, device: str = "cpu", options: dict | None = None):
-    """Load a ``QwenImagePipeline`` folder: ``(QwenImageAdapter, QwenImagePromptEncoder, QwenImageCodec,
-    meta)``.
-
-    ``options``: ``image_size`` (pixels; default the pipeline's 1024; a multiple of vae_scale_factor x 2),
-    ``guidance_scale`` (true CFG, default the pipeline's 4.0), ``num_inference_steps`` (50),
-    ``max_sequence_length`` (512), ``dtype`` ("float32", "bfloat16", "float16"; Qwen2.5-VL and the
-    transformer load in it, the VAE stays float32). Raises ``ValueError`` naming the key for an unknown
-    option, a bad size or dtype."""
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
-
-    path = Path(path)
-    options, dtype = checked_options(options, OPTIONS, DTYPES, "Qwen-Image")
-    defaults = call_defaults(QwenImagePipeline, "num_inference_steps", "max_sequence_length")
-    defaults["guidance_scale"] = call_defaults(QwenImagePipeline, "true_cfg_scale")["true_cfg_scale"]
-    vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", dtype=torch.float32)
-    pipe = QwenImagePipeline.from_pretrained(str(path), vae=vae, dtype=DTYPES[dtype]).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    factor = pipe.vae_scale_factor * 2
-    size = check_image_size(int(options.get("image_size") or pipe.default_sample_size * pipe.vae_scale_factor), factor)
-    model = QwenImageAdapter(pipe.transformer.eval(), pipe.scheduler, (size // factor) ** 2)
-    encoder = prompt_encoder_of(QwenImagePromptEncoder, pipe, path, options, defaults, dtype, device)
-    meta = family_meta("qwenimage", PIPELINE, COMPONENT, path, size, options, defaults)
-    return model, encoder, QwenImageCodec(pipe.vae), meta
