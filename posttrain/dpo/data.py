@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from posttrain.base.signal_guard import NoSignalError, nonfinite_counts
+from pretrain.codec import decode_conditions
 from pretrain.data.folder import DatasetError
 from pretrain.parallel.data import gather_samples
 from pretrain.sampling import initial_noise, sample_latents
@@ -134,7 +135,9 @@ def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward
                  seed: int, round_: int, device, batch_size: int = 64, ranks=None) -> tuple[PairSet | None, dict]:
     """Sample ``online.samples_per_prompt`` images per prompt with the current model (ODE with
     ``online.num_inference_steps`` and ``online.guidance_scale``, seeds keyed by (seed, "rollout", round,
-    global index)), score them with ``reward_fn(images, prompts) -> (total, raw)`` and pair each prompt's
+    global index)), score them with ``reward_fn(images, prompts, metadata) -> (total, raw)`` (``metadata``:
+    ``source_images``, each sample's conditioning image decoded, when the prompts carry them; else None)
+    and pair each prompt's
     best against its worst when their gap exceeds ``online.margin`` (``online``: the ``online:`` block,
     :class:`posttrain.dpo.stage.OnlineConfig`). With ``ranks`` (a :class:`pretrain.parallel.job.JobRanks`
     under torchrun) each data-parallel rank samples and scores its contiguous share of the prompts (its
@@ -148,15 +151,17 @@ def online_pairs(model, codec, prompts, prompt_idx: list[int], *, online, reward
     noise = initial_noise(n, codec.latent_shape(*prompts.images.shape[-2:]), seed, step=round_, stream="rollout",
                           device=device)[start * k:stop * k]
     rows = [prompt_idx[i // k] for i in range(start * k, stop * k)]
-    images = []
+    images, sources = [], []
     for s in range(0, len(rows), batch_size):
         _, embeds, _ = prompts.batch(rows[s:s + batch_size])
         lat = sample_latents(model, embeds.to(device), null, noise[s:s + batch_size], online.num_inference_steps,
                              online.guidance_scale, shift)
         images.append(codec.decode(lat).cpu())
+        if embeds.images is not None:  # an edit's source, read by rewards as GRPO's rollouts give it
+            sources.append(decode_conditions(codec, embeds.images).cpu().float())
     images = torch.cat(images)
     _, _, captions = prompts.batch(rows)
-    total, raw = reward_fn(images, captions)
+    total, raw = reward_fn(images, captions, {"source_images": torch.cat(sources)} if sources else None)
     group = ranks.mesh.dp_group if ranks is not None and ranks.distributed else None
     total = gather_samples(total.float().cpu(), group)  # every prompt's rewards, in prompt order
     raw = {name: gather_samples(v.float().cpu(), group) for name, v in raw.items()}

@@ -1,7 +1,8 @@
 """The editing task end to end at its cheapest: a tiny editing model (3 + 3 input channels) pretrained on
 the shapes edits, one GRPO iteration whose rollouts carry the source images (its reward, the guard and the
-evaluation read them: ``preserve`` refuses to score without them), and `posttrain eval` with the edit judge
-per edit kind, each stage through the CLI a user runs."""
+evaluation read them: ``preserve`` refuses to score without them), an online DPO step whose pairs are
+scored with them too, and `posttrain eval` with the edit judge per edit kind, each stage through the CLI
+a user runs."""
 
 import json
 
@@ -30,6 +31,15 @@ def test_pretrain_grpo_and_eval_on_the_editing_task(tmp_path, capsys):
                  *DATA]) == 0
     rows = [json.loads(x) for x in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert any(0.0 <= r.get("guard/shapes_edit_preserved", -1) <= 1.0 for r in rows)
+    # online DPO scores its samples with their sources too (the preserve term refuses to score without them)
+    assert main(["dpo", str(ROOT / "configs/dpo/emoji_jpeg.yaml"), f"run_dir={run}", f"model.pretrained={export}",
+                 "data.source=shapes_edit", "data.layout=reading", "train.steps=1", "train.batch_size=2",
+                 "online.prompts_per_round=2", "online.samples_per_prompt=2", "online.num_inference_steps=3",
+                 "online.resample_every=1", "checkpoint.every=1", "train.threads=1", "~rewards",
+                 "rewards={shapes_edit: {weight: 1.0, preserve: 0.25}}",
+                 "eval.grid_prompts=2", "eval.num_inference_steps=2", *DATA]) == 0
+    dpo = [json.loads(x) for x in (run / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 <= dpo[0]["online_reward_mean"] <= 1.25
     capsys.readouterr()
     assert main(["eval", str(export), str(run / "grpo" / "export"), "--rewards", "shapes_edit_strict", "shapes_edit",
                  "shapes_edit_preserved",

@@ -146,12 +146,13 @@ class QwenImageCodec:
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        mean = self.vae.encode((images[:, :, None] * 2 - 1).to(self.vae.dtype)).latent_dist.mean.float()
+        pixels = (images[:, :, None] * 2 - 1).to(self.vae.device, self.vae.dtype)  # a source may sit on the CPU
+        mean = self.vae.encode(pixels).latent_dist.mean.float()
         return ((mean - self.latents_mean.to(mean.device)) / self.latents_std.to(mean.device))[:, :, 0]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        z = latents[:, :, None].to(self.vae.dtype)
+        z = latents[:, :, None].to(self.vae.device, self.vae.dtype)
         inv_std = 1.0 / self.latents_std.to(z.device, z.dtype)
         image = self.vae.decode(z / inv_std + self.latents_mean.to(z.device, z.dtype), return_dict=False)[0][:, :, 0]
         return (image.float() * 0.5 + 0.5).clamp(0, 1)

@@ -45,14 +45,14 @@ class WanVideoCodec:
     @torch.no_grad()
     def encode(self, videos: torch.Tensor) -> torch.Tensor:
         """``videos [B, F, 3, H, W]`` in [0, 1] -> float32 latents ``[B, C, F', h, w]``."""
-        x = (videos.permute(0, 2, 1, 3, 4) * 2 - 1).to(self.vae.dtype)
+        x = (videos.permute(0, 2, 1, 3, 4) * 2 - 1).to(self.vae.device, self.vae.dtype)  # a frame may sit on the CPU
         mean = self.vae.encode(x).latent_dist.mean.float()
         return (mean - self.latents_mean.to(mean.device)) / self.latents_std.to(mean.device)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``[B, C, F', h, w]`` -> videos float32 ``[B, F, 3, H, W]`` in [0, 1]."""
-        z = latents.to(self.vae.dtype)
+        z = latents.to(self.vae.device, self.vae.dtype)
         mean = self.latents_mean.to(z.device, z.dtype)
         inv_std = 1.0 / self.latents_std.to(z.device, z.dtype)
         video = self.vae.decode(z / inv_std + mean, return_dict=False)[0]
@@ -79,7 +79,7 @@ class WanImageToVideoCodec(WanVideoCodec):
         b, _, h, w = images.shape
         rest = images.new_full((b, self.num_frames - 1, 3, h, w), 0.5)  # 0 once mapped to [-1, 1]
         latents = self.encode(torch.cat([images[:, None], rest], 1))
-        mask = torch.zeros(b, self.temporal, *latents.shape[2:], device=latents.device)
+        mask = torch.zeros(b, self.temporal, *latents.shape[2:], device=latents.device)  # on the VAE's device
         mask[:, :, 0] = 1.0
         return torch.cat([mask, latents], 1)
 
