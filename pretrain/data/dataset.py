@@ -20,10 +20,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from pretrain.codec import encode_conditions
 from pretrain.data import emoji as emoji_data
 from pretrain.data import moving_emoji
 from pretrain.data import shapes
-from pretrain.codec import encode_conditions
 from pretrain.data.folder import DatasetError, load_image_folder
 from pretrain.data.prompts import LazyEmbeds, blank_images, load_prompts
 from pretrain.seeding import generator_for

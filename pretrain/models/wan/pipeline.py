@@ -195,20 +195,24 @@ def check_folder(path: Path) -> bool:
     return two
 
 
-def check_image_to_video(pipe) -> None:
-    """``ValueError`` for the ``WanImageToVideoPipeline`` folders not modelled: a CLIP image encoder (Wan2.1
-    I2V's ``image_dim``) or ``expand_timesteps`` (Wan2.2 TI2V-5B's image mode, which overwrites the first
-    latent frame instead of concatenating a condition)."""
-    transformers = [t for t in (pipe.transformer, getattr(pipe, "transformer_2", None)) if t is not None]
-    if getattr(pipe, "image_encoder", None) is not None or any(t.config.image_dim for t in transformers):
+def check_image_to_video(path: Path) -> None:
+    """``ValueError``, before anything loads, for the ``WanImageToVideoPipeline`` folders not modelled: a
+    CLIP image encoder (Wan2.1 I2V's ``image_dim``) or ``expand_timesteps`` (Wan2.2 TI2V-5B's image mode,
+    which overwrites the first latent frame instead of concatenating a condition); and for a transformer
+    whose ``in_channels`` is not 2 z + T (latents, frame mask, condition latents)."""
+    read = lambda *p: json.loads(Path(path, *p).read_text())  # noqa: E731
+    index, vae = read("model_index.json"), read("vae", "config.json")
+    configs = [read(name, "config.json") for name in ("transformer", "transformer_2")
+               if index.get(name) and index[name][0]]
+    if (index.get("image_encoder") or [None])[0] or any(c.get("image_dim") for c in configs):
         raise ValueError("WanImageToVideoPipeline with a CLIP image encoder (Wan2.1 I2V, transformer image_dim) is "
                          "not supported: the conditioning here is the first frame's latents (Wan2.2 I2V-A14B)")
-    if pipe.config.get("expand_timesteps"):
+    if index.get("expand_timesteps"):
         raise ValueError("WanImageToVideoPipeline with expand_timesteps (Wan2.2 TI2V-5B image-to-video) is not "
                          "supported; its text-to-video mode loads as a WanPipeline folder")
-    want = 2 * pipe.vae.config.z_dim + pipe.vae.config.scale_factor_temporal
-    if pipe.transformer.config.in_channels != want:
-        raise ValueError(f"WanImageToVideoPipeline: transformer in_channels {pipe.transformer.config.in_channels}, "
+    want = 2 * vae["z_dim"] + vae.get("scale_factor_temporal", 4)
+    if any(c["in_channels"] != want for c in configs):
+        raise ValueError(f"WanImageToVideoPipeline: transformer in_channels {[c['in_channels'] for c in configs]}, "
                          f"expected {want} (latents + frame mask + condition latents)")
 
 
@@ -242,6 +246,8 @@ def load(path: Path, device: str, options: dict):
     if text_dtype not in DTYPES:
         raise ValueError(f"model.options.text_encoder_dtype: '{text_dtype}' is not one of {sorted(DTYPES)}")
     two_experts = check_folder(path)
+    if i2v:
+        check_image_to_video(path)
     defaults = call_defaults(pipeline_cls, "height", "num_frames", "num_inference_steps", "guidance_scale",
                              "max_sequence_length")
     vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
@@ -249,8 +255,6 @@ def load(path: Path, device: str, options: dict):
     text_encoder = UMT5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=DTYPES[text_dtype])
     pipe = pipeline_cls.from_pretrained(path, vae=vae, text_encoder=text_encoder, dtype=DTYPES[dtype]).to(device)
     pipe.set_progress_bar_config(disable=True)
-    if i2v:
-        check_image_to_video(pipe)
     image_size = check_image_size(int(options.get("image_size") or defaults["height"]),
                                   pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1])
     expand = bool(pipe.config.get("expand_timesteps"))
