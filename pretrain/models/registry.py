@@ -18,6 +18,7 @@ from pretrain.backbone import Backbone
 from pretrain.registry import Registry
 import pretrain.models.flux as flux
 import pretrain.models.flux2 as flux2
+import pretrain.models.hidream as hidream
 import pretrain.models.qwenimage as qwenimage
 import pretrain.models.sd3 as sd3
 import pretrain.models.unet as unet
@@ -89,6 +90,8 @@ FAMILIES: Registry = Registry("model family", {
     "qwenimage": Family(qwenimage.QwenImageAdapter, "QwenImageTransformer2DModel", pipelines=qwenimage.PIPELINES,
                         load=qwenimage.load),
     "zimage": Family(zimage.ZImageAdapter, "ZImageTransformer2DModel", pipelines=(zimage.PIPELINE,), load=zimage.load),
+    "hidream": Family(hidream.HiDreamAdapter, "HiDreamImageTransformer2DModel", pipelines=(hidream.PIPELINE,),
+                      load=hidream.load),
     "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),
                    pipelines=("StableDiffusionPipeline", "StableDiffusionXLPipeline"), load=unet.load,
                    finalize_export=unet.finalize_export, adapter_settings=unet.preset_settings),

@@ -16,23 +16,27 @@ PROMPTS = ["a red apple", "the flag of a cat"]
 SIZE, STEPS, SCALE, NOISE, TOL = 32, 4, 4.5, 0.7, 1e-5
 
 
+def tiny_clip(tokenizer):
+    """A random 2-layer ``CLIPTextModelWithProjection`` (width 16, projection 16) for ``tokenizer``."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    return CLIPTextModelWithProjection(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=16))
+
+
 def save_tiny_sd3(path: Path) -> Path:
     """A tiny StableDiffusion3Pipeline (SD3.5-style transformer: dual attention in block 0, RMS qk-norm;
     16-channel VAE with 2x downsampling; two CLIP + T5) saved with ``save_pretrained``."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import T5Config, T5EncoderModel
 
     from tests.families.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
     torch.manual_seed(0)
     clip_tok = clip_tokenizer()
-
-    def clip():
-        return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=len(clip_tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=16))
-
+    clip = lambda: tiny_clip(clip_tok)  # noqa: E731
     t5 = T5EncoderModel(T5Config(vocab_size=100, d_model=48, d_ff=64, d_kv=8, num_layers=2, num_heads=2,
                                  relative_attention_num_buckets=8, decoder_start_token_id=0))
     transformer = SD3Transformer2DModel(
