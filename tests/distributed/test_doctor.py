@@ -40,6 +40,7 @@ def test_clean_four_ranks_flag_nothing(tmp_path):
     assert "verdict: 0 flagged; exit 0" in proc.stdout
 
 
+@pytest.mark.long  # make test keeps the verdict logic: the pairing, majority-hash and straggler rules below
 def test_planted_faults_are_named_by_rank(tmp_path):
     proc, report = _doctor(tmp_path / "bad", "--inject-wrong-result", "1", "--inject-slow-rank", "2:0.5",
                            "--inject-slow-link", "0-3:0.2")

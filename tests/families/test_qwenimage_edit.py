@@ -104,11 +104,9 @@ def test_edit_sampler_reproduces_the_pipeline_with_the_source(edit_folder, tmp_p
     want_latents, want_images = _pipeline(QwenImageEditPipeline.from_pretrained(edit_folder), sources, noise)
     d_lat = (pack(latents) - want_latents).abs().max().item()
     d_img = (images - want_images).abs().max().item()
-    other = _ours(edit_folder, sources.flip(0))[1]  # another source for each prompt
     with capsys.disabled():
         print(f"\nQwen-Image-Edit vs QwenImageEditPipeline: latents {d_lat:.2e}, images {d_img:.2e}")
-    assert d_lat <= TOL and d_img <= TOL
-    assert (other - latents).abs().max() > 1e-3  # the source reaches the sample
+    assert d_lat <= TOL and d_img <= TOL  # that the source moves the sample: the log-prob test below
     with pytest.raises(ValueError, match="Qwen-Image-Edit folder's prompts need their source images"):
         model(noise, torch.tensor([0.5, 0.5]), encoder.encode(PROMPTS))
     with pytest.raises(ConfigError, match="model.options.condition_area: 1024 is for Qwen-Image-Edit folders"):
