@@ -71,7 +71,7 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
     base = data.get(cfg.baseline)
     target = float(np.mean([prompt_mean(runs[-1]["reward"]) for runs in base])) if base else float("nan")
     base_time = mean_se([time_to(r, target) for r in base])[0] if base else float("nan")
-    head = (f"| arm | seeds | steps | samples | {short(t.reward)} final (SE over seeds) | gain vs start (SE by prompt) "
+    head = (f"| arm | seeds | steps | s / step per seed | samples | {short(t.reward)} final (SE over seeds) | gain vs start (SE by prompt) "
             f"| z | z per seed | guard: flow-matching loss change | guard: {short(t.guard_reward)} change (SE) | seconds to reach "
             f"{cfg.baseline}'s final (SE) | reached | speed-up vs {cfg.baseline} |")
     if t.trained_reward:
@@ -93,9 +93,11 @@ def arm_table(cfg: SweepConfig, task: str, data: dict) -> tuple[list[str], float
         tm, tse = mean_se(reached)
         speed = base_time / tm if reached and tm > 0 and math.isfinite(base_time) else float("nan")
         steps = np.mean([r[-1]["iteration"] for r in runs])
+        # training seconds per iteration: a run that shared the machine shows as a slower one
+        pace = " / ".join(f"{r[-1]['train_s'] / r[-1]['iteration']:.1f}" if r[-1]["iteration"] else "-" for r in runs)
         samples = np.mean([r[-1]["samples"] for r in runs])
         lines.append(
-            f"| {arm} | {len(runs)} | {steps:.0f} | {samples:.0f} | {final[0]:+.4f} ({final[1]:.4f}) | {gain:+.4f} "
+            f"| {arm} | {len(runs)} | {steps:.0f} | {pace} | {samples:.0f} | {final[0]:+.4f} ({final[1]:.4f}) | {gain:+.4f} "
             f"({gain_se:.4f}) | {gain / gain_se if gain_se else float('nan'):+.1f} | {per_seed} | {loss_change:+.4f} "
             f"| {gdiff:+.4f} ({gdiff_se:.4f}) | {'-' if not reached else f'{tm:.0f} ({tse:.0f})'} "
             f"| {len(reached)}/{len(runs)} | {'-' if speed != speed else f'{speed:.2f}x'} |"

@@ -167,5 +167,6 @@ def test_an_arm_budget_replaces_the_sweeps_and_the_table_gives_each_seeds_z(tiny
             write_rows(out / "probes.jsonl", [row(0, [0.0] * 3), row(2, end)])
     lines, _ = arm_table(cfg, "jpeg", collect(cfg, "jpeg"))
     assert "| z | z per seed |" in lines[0]
-    assert "| +2.0 / - |" in next(line for line in lines if line.startswith("| awm |"))
+    awm = next(line for line in lines if line.startswith("| awm |"))
+    assert "| +2.0 / - |" in awm and awm.startswith("| awm | 2 | 2 | 1.0 / 1.0 |")  # 2 s over 2 iterations
     assert ", awm: 30 s (rollout" in write_report(cfg).read_text()
