@@ -83,6 +83,7 @@ class HiDreamAdapter(Backbone):
         self.scheduler_class, self.scheduler_config = type(scheduler), dict(scheduler.config)
         self.t5_len, self.t5_dim, self.llama_dim = int(t5_len), int(t5_dim), int(llama_dim)
         self.llama_layers = int(llama_layers)
+        self._moe = _moe_layers(transformer)  # found once: the forward toggles them
 
     def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
         return hidream_sigmas(self.scheduler_class, self.scheduler_config, self.transformer.max_seq,
@@ -102,7 +103,7 @@ class HiDreamAdapter(Backbone):
     @contextlib.contextmanager
     def _routed_experts_with_grad(self):
         """The MoE layers on their training path while gradients are enabled (see the module notes)."""
-        layers = [m for m in _moe_layers(self.transformer) if not m.training] if torch.is_grad_enabled() else []
+        layers = [m for m in self._moe if not m.training] if torch.is_grad_enabled() else []
         for m in layers:
             m.training = True
         try:

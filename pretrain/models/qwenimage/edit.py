@@ -51,8 +51,8 @@ class QwenImageEditCodec(QwenImageCodec):
     """:class:`QwenImageCodec` whose ``encode_conditions`` (:func:`pretrain.codec.encode_conditions`) gives
     the pipeline's source latents: images float ``[B, 3, H, W]`` in [0, 1] -> float32 ``[B, C, h', w']``,
     each image resized by :func:`condition_image` (h' = 1024 / 8 for a square source) and encoded as
-    ``QwenImageEditPipeline._encode_vae_image`` does (posterior mode, per-channel normalisation).
-    ``decode_conditions`` returns the sources at that resized size. ``area``: see :func:`condition_image`."""
+    ``QwenImageEditPipeline._encode_vae_image`` does (posterior mode, per-channel normalisation). Decoded
+    (:func:`pretrain.codec.decode_conditions`, the codec's ``decode``), the sources come back at that size. ``area``: see :func:`condition_image`."""
 
     def __init__(self, vae: torch.nn.Module, area: int = CONDITION_AREA):
         from diffusers.image_processor import VaeImageProcessor
@@ -65,9 +65,6 @@ class QwenImageEditCodec(QwenImageCodec):
         resized = [condition_image(self.processor, image, self.area)[0] for image in images]
         pixels = self.processor.numpy_to_pt(self.processor.pil_to_numpy(resized)).to(self.vae.device)
         return self.encode(pixels)
-
-    def decode_conditions(self, conditions: torch.Tensor) -> torch.Tensor:
-        return self.decode(conditions)
 
 
 class QwenImageEditPromptEncoder(QwenImagePromptEncoder):
