@@ -106,6 +106,11 @@ def test_log_probs_recomputed_in_training_and_the_routed_experts_get_gradients(h
     assert grads["eval"][2] > 0 and grads["eval"][1] > 0  # diffusers' eval path runs them under no_grad
     assert abs(grads["eval"][1] - grads["train"][1]) <= 1e-5 * grads["train"][1]
     assert max_diff(grads["eval"][0], grads["train"][0]) <= 1e-5  # train()'s patch layout folded back
+    # at 64 x 64 latents with patch 8 the patch layout [B, C, 64, 64] has the image's shape: folded all the same
+    x64 = torch.randn(2, 4, 64, 64)
+    with torch.no_grad():
+        train64 = model.train()(x64, sigma, embeds)
+        assert max_diff(model.eval()(x64, sigma, embeds), train64) <= 1e-5
 
 
 def test_grpo_iteration_exports_and_a_lora_that_load_in_diffusers(hidream_folder, tmp_path, capsys):

@@ -118,12 +118,14 @@ class HiDreamAdapter(Backbone):
             raise ValueError(f"HiDreamAdapter: latents {h} x {w}; only square images are sampled here")
         dtype, device = self.transformer.dtype, x.device
         t5, llama = self.split(embeds.tokens.to(device))
-        timesteps = sigma.to(device=device, dtype=torch.float32) * 1000.0  # the scheduler's timesteps
+        # the scheduler's timesteps, sigma x num_train_timesteps in float32
+        timesteps = sigma.to(device=device, dtype=torch.float32) * float(self.scheduler_config["num_train_timesteps"])
         with self._routed_experts_with_grad():
             out = self.transformer(hidden_states=x.to(dtype), timesteps=timesteps, encoder_hidden_states_t5=t5.to(dtype),
                                    encoder_hidden_states_llama3=llama.to(dtype),
                                    pooled_embeds=embeds.pooled.to(device, dtype), return_dict=False)[0]
-        if out.dim() == 4 and out.shape[2:] != (h, w):  # train(): [B, C, S, p * p] patches
+        # train(): [B, C, S, p * p] patches (by the flag its unpatchify reads: the shapes coincide at h = p * p)
+        if self.transformer.training and not self.transformer.config.force_inference_output:
             p = self.transformer.config.patch_size
             out = out.reshape(b, c, h // p, w // p, p, p).permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
         return -out.float()  # the pipeline's noise_pred = -output
