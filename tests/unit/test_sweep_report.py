@@ -44,7 +44,7 @@ def test_report_header_and_curves_are_true_past_a_short_budget(tmp_path):
     report = write_report(cfg).read_text()
     assert report.startswith("# Sweep: flow_grpo, nft\n")  # the arms that ran, not all nine
     assert "budget of 20 s" in report and "the runs trained 57-82 s" in report
-    assert "| flow_grpo | 1 | 1 | 64 | -1.9345 (nan) |" in report
+    assert "| flow_grpo | 1 | 1 | 82.0 | 64 | -1.9345 (nan) |" in report  # 82 s for its one step
     data = collect(cfg, "jpeg")
     grid = curve_grid(cfg, data)
     assert grid[-1] == 82.0 and 57.0 in grid
