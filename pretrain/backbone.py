@@ -75,6 +75,12 @@ class Backbone(torch.nn.Module):
         default) for a single denoiser."""
         return None
 
+    def moe_layers(self) -> list[torch.nn.Module]:
+        """The denoiser's mixture-of-experts feed-forward layers in DeepSeek-V3's layout (``gate``,
+        ``experts``, ``shared_experts``: :mod:`pretrain.parallel.expert`), which ``parallel.ep`` shards;
+        empty (the default) for a dense denoiser."""
+        return []
+
     def initial_scale(self, sigma0: float) -> float:
         """Factor turning unit Gaussian noise into the state at the schedule's first sigma
         ``sigma0``. 1 for flow models (they start from pure noise, sigma0 = 1)."""

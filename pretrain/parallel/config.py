@@ -20,7 +20,8 @@ class ParallelConfig:
     dtype gradients are reduced in, fp32 by default as torchtitan), per-block activation checkpointing and
     per-block ``torch.compile``. With LoRA, ``param_dtype`` is the storage dtype of the frozen base and the
     adapters stay fp32 (``fsdp.py``). ``sp`` > 1 turns on Ulysses sequence parallelism with the model
-    family's plan (``sequence.py``).
+    family's plan (``sequence.py``). ``ep`` > 1: expert parallelism for a mixture-of-experts denoiser
+    (HiDream), ``ep`` data-parallel ranks each holding ``1 / ep`` of every layer's routed experts (``expert.py``).
     ``always_shard``: build the mesh and FSDP2-shard even when ``torchrun`` starts a single rank (a GPU
     check of the sharded code path on one device); without it one rank runs as a plain process.
     ``collective_timeout_s``: seconds a collective may wait before the process group aborts (a hang
@@ -31,6 +32,7 @@ class ParallelConfig:
     sp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
     activation_checkpointing: bool = False
@@ -39,7 +41,7 @@ class ParallelConfig:
     collective_timeout_s: float = 1800.0
 
     def validate(self, prefix: str = "") -> None:
-        require_positive(self, prefix, "dp_replicate", "sp", "tp", "cp", "collective_timeout_s")
+        require_positive(self, prefix, "dp_replicate", "sp", "tp", "cp", "ep", "collective_timeout_s")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"{prefix}dp_shard: must be >= 1 or -1 (infer), got {self.dp_shard}")
         try:
@@ -51,7 +53,7 @@ class ParallelConfig:
                 raise ValueError(f"{prefix}{name}: '{getattr(self, name)}' is not one of {', '.join(DTYPES)}")
 
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp)
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp, self.ep)
 
     def compile_blocker(self) -> str | None:
         """Why per-block ``torch.compile`` cannot run under this layout (``tp`` > 1: the TP plans' own

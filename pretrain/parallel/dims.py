@@ -12,6 +12,9 @@ recipe), which also gives other views of the same ranks:
   summed, not averaged (see ``fsdp.py``).
 - ``"tp"``: the tensor-parallel ranks (``tensor.py``); they share their samples and hold different
   slices of the sharded layers. FSDP2 shards those DTensors further over ``"dp_shard_sp"`` (2-D).
+- ``"ep"`` (``ep`` > 1, a view of ``dp_shard``, the innermost ``ep`` ranks of it): the expert-parallel
+  ranks; each holds different samples and different routed experts (``expert.py``), which FSDP2 shards over
+  ``"dp_shard_mod_ep"``, the ranks holding the same experts.
 
 TP ranks are the innermost dimension (a TP group is a block of consecutive ranks: one node's fast links),
 then SP, then CP.
@@ -36,28 +39,37 @@ class ParallelDims:
     ``dp_shard=-1`` takes whatever the world size leaves after the other degrees. :meth:`resolved` (called
     by ``build_mesh``) raises ``ValueError`` naming every degree and the world size when their product
     differs from it, when a degree is below 1, or naming both keys for a combination that is not
-    supported (two of ``sp``, ``cp``, ``tp`` above 1: each splits the attention heads its own way)."""
+    supported (two of ``sp``, ``cp``, ``tp`` above 1: each splits the attention heads its own way;
+    ``ep`` > 1 with any of them or with ``dp_replicate`` > 1: not composed yet), or when ``ep`` does not
+    divide ``dp_shard`` (EP ranks are data-parallel ranks)."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
     sp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def check(self) -> None:
         """The checks that need no world size: every degree but ``dp_shard`` >= 1, and the combinations of
         the class docstring (``ValueError`` naming the keys)."""
-        for name in ("dp_replicate", "cp", "sp", "tp"):
+        for name in ("dp_replicate", "cp", "sp", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
         for a, b in (("sp", "tp"), ("sp", "cp"), ("cp", "tp")):
             if getattr(self, a) > 1 and getattr(self, b) > 1:
                 raise ValueError(f"parallel.{a}={getattr(self, a)} with parallel.{b}={getattr(self, b)}: these two "
                                  f"do not compose yet (both split the attention heads); use one of them")
+        if self.ep > 1:
+            wide = [f"parallel.{k}={getattr(self, k)}" for k in ("dp_replicate", "cp", "sp", "tp")
+                    if getattr(self, k) > 1]
+            if wide:
+                raise ValueError(f"parallel.ep={self.ep} with {', '.join(wide)}: expert parallelism composes with "
+                                 f"FSDP (dp_shard) only so far")
 
     def resolved(self, world_size: int) -> ParallelDims:
         """A copy with ``dp_shard=-1`` replaced by world_size / (dp_replicate * cp * sp * tp), validated."""
-        dims = ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp)
+        dims = ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp, self.ep)
         dims.check()
         others = dims.dp_replicate * dims.cp * dims.sp * dims.tp
         named = f"dp_replicate={dims.dp_replicate} x cp={dims.cp} x sp={dims.sp} x tp={dims.tp}"
@@ -71,6 +83,9 @@ class ParallelDims:
         if dims.dp_shard * others != world_size:
             raise ValueError(f"parallel: dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x cp={dims.cp} x "
                              f"sp={dims.sp} x tp={dims.tp} = {dims.dp_shard * others} != world size {world_size}")
+        if dims.dp_shard % dims.ep:
+            raise ValueError(f"parallel.ep={dims.ep} does not divide dp_shard={dims.dp_shard} (EP ranks are "
+                             f"data-parallel ranks)")
         return dims
 
     @property
@@ -93,6 +108,8 @@ class ParallelDims:
                                        ("dp_replicate", "dp_shard_sp", "tp")),
             cp_mesh=flat._unflatten(0, (dims.dp, 1, dims.cp, dims.sp * dims.tp),
                                     ("dp", "ring", "ulysses", "sp_tp"))["ring", "ulysses"],
+            expert_mesh=flat._unflatten(0, (dims.dp_shard // dims.ep, dims.ep), ("dp_shard_mod_ep", "ep"))
+            if dims.ep > 1 else None,
         )
 
 
@@ -100,13 +117,15 @@ class ParallelDims:
 class Mesh:
     """A validated ``ParallelDims`` with its named ``DeviceMesh`` (``mesh["sp"]`` slices it), the 1-D
     data-parallel view ``dp_mesh``, the 3-D (dp_replicate, dp_shard_sp, tp) ``shard_mesh`` and the 2-D
-    ("ring", "ulysses") ``cp_mesh`` of the CP ranks that diffusers' context parallelism takes (ring 1)."""
+    ("ring", "ulysses") ``cp_mesh`` of the CP ranks that diffusers' context parallelism takes (ring 1), and
+    with ``ep`` > 1 the 2-D (``dp_shard_mod_ep``, ``ep``) ``expert_mesh`` (None otherwise)."""
 
     dims: ParallelDims
     device_mesh: DeviceMesh
     dp_mesh: DeviceMesh
     shard_mesh: DeviceMesh
     cp_mesh: DeviceMesh
+    expert_mesh: DeviceMesh | None = None
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         return self.device_mesh[names]

@@ -71,14 +71,18 @@ def apply_compile(model: torch.nn.Module, blocks: list[torch.nn.Module] | None =
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               blocks: list[torch.nn.Module] | None = None) -> None:
+               blocks: list[torch.nn.Module] | None = None, experts: list[list[torch.nn.Module]] = ()) -> None:
     """``fully_shard`` each block (:func:`block_units`; the last without resharding after forward), then the root.
 
     Frozen parameters are cast to ``param_dtype`` first; with LoRA layers present, units compute each
     parameter in its stored dtype (see the module docstring). With ``sp`` or ``cp`` > 1 the shard mesh
     includes the SP / CP ranks; they hold the same samples, so gradients are summed over them and averaged only over the
     ``dims.dp`` data shards (``set_gradient_divide_factor``). This matches a loss computed on the gathered
-    full output on every SP rank (``sequence.py``)."""
+    full output on every SP rank (``sequence.py``).
+
+    ``experts``: with ``ep`` > 1, each MoE layer's local routed experts (``expert.py``), sharded first, one
+    unit per layer, over the ranks holding the same experts; their gradients sum every rank's tokens
+    already, so they are divided by the whole data-parallel degree."""
     for p in model.parameters():
         if not p.requires_grad:
             p.data = p.data.to(param_dtype)
@@ -86,6 +90,12 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
     policy = MixedPrecisionPolicy(param_dtype=None if lora else param_dtype, reduce_dtype=reduce_dtype)
     fsdp_mesh = mesh.fsdp_mesh()
     blocks = block_units(model, blocks)
+    for unit in experts:
+        expert_mesh = mesh.expert_mesh["dp_shard_mod_ep"]
+        fully_shard(unit, mesh=expert_mesh, mp_policy=policy)
+        unit[0].set_gradient_divide_factor(float(mesh.dims.dp))
+        # sum, then divide: gloo has no PREMUL_SUM; on one rank torch 2.14 would divide twice with it set
+        unit[0].set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
@@ -98,7 +108,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: Mesh, param_dtype: torch.dtype, red
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
                 blocks: list[torch.nn.Module] | None = None) -> torch.nn.Module:
-    """Apply tensor parallelism (``mesh.tp_size`` > 1: the adapter's plan over ``mesh.tp_mesh()``),
+    """Apply expert parallelism (``ep`` > 1: the adapter's ``moe_layers()``, ``expert.py``), tensor
+    parallelism (``mesh.tp_size`` > 1: the adapter's plan over ``mesh.tp_mesh()``),
     context parallelism (``cp`` > 1: the denoiser's diffusers plan over ``mesh.cp_mesh``), activation
     checkpointing, compile and FSDP2 to ``model`` in place, in torchtitan's order; returns
     ``model``. ``model``: a :class:`pretrain.backbone.Backbone` adapter (its ``blocks()`` are the
@@ -110,6 +121,15 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
     full-fine-tuning reference copy (``requires_grad=False`` everywhere: stored in ``param_dtype``, it only
     all-gathers)."""
     blocks = block_units(model, blocks)
+    experts = []
+    if mesh.dims.ep > 1:
+        from pretrain.parallel.expert import apply_expert_parallel
+
+        layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+        if not layers:
+            raise ValueError(f"parallel.ep={mesh.dims.ep}: {type(model).__name__} has no routed experts "
+                             f"(expert parallelism needs a mixture-of-experts denoiser, e.g. HiDream)")
+        experts = apply_expert_parallel(layers, mesh.expert_mesh["ep"])
     if mesh.tp_size > 1:
         from pretrain.parallel.tensor import apply_tensor_parallel
 
@@ -122,5 +142,5 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: ParallelConfig,
         apply_activation_checkpointing(model, blocks)
     if cfg.compile:
         apply_compile(model, blocks)
-    apply_fsdp(model, mesh, DTYPES[cfg.param_dtype], DTYPES[cfg.reduce_dtype], blocks)
+    apply_fsdp(model, mesh, DTYPES[cfg.param_dtype], DTYPES[cfg.reduce_dtype], blocks, experts)
     return model

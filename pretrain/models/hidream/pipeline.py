@@ -71,7 +71,8 @@ class HiDreamAdapter(Backbone):
     """Wraps ``HiDreamImageTransformer2DModel``: ``forward(x [B, C, h, w], sigma [B] in [0, 1], embeds) ->
     velocity`` float32 ``[B, C, h, w]`` (h = w, a multiple of the patch size). ``embeds.tokens``: see
     :meth:`split`; ``embeds.pooled`` ``[B, P]`` the CLIP projections. Blocks (FSDP2 units): the
-    double-stream then the single-stream blocks; no tensor, sequence or context parallel plan."""
+    double-stream then the single-stream blocks; no tensor, sequence or context parallel plan; expert
+    parallelism (``parallel.ep``) over :meth:`moe_layers`."""
 
     lora_targets = HIDREAM_ATTENTION
     block_attrs = ("double_stream_blocks", "single_stream_blocks")
@@ -88,6 +89,10 @@ class HiDreamAdapter(Backbone):
     def sigmas(self, num_inference_steps: int, shift: float | None = None) -> torch.Tensor:
         return hidream_sigmas(self.scheduler_class, self.scheduler_config, self.transformer.max_seq,
                               num_inference_steps, shift)
+
+    def moe_layers(self) -> list[torch.nn.Module]:
+        """Every ``MOEFeedForwardSwiGLU`` (the image stream's ``ff_i`` of each block)."""
+        return [m for m in self._moe if hasattr(m, "experts")]
 
     def split(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens`` ``[B, L_t5 + n * L, D]`` -> (T5 states ``[B, L_t5, D_t5]``, Llama states of every layer

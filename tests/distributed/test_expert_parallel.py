@@ -1,0 +1,103 @@
+"""Expert parallelism (``parallel.ep``, ``pretrain/parallel/expert.py``) on a tiny HiDream transformer (4 routed
+experts, 2 active, in both blocks): EP = 2 on 2 ranks and EP = 2 x FSDP = 2 on 4 ranks equal one process on
+the whole batch -- the forward with and without gradients (the rollout's path) within 1e-5, every
+parameter's gradient within 1e-5 relative (routed experts, gate, shared expert, attention), the gradient
+norm, and the weights after an optimizer step; each rank holds only its half of the routed experts."""
+
+import pytest
+import torch
+
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.dims import ParallelDims
+from pretrain.parallel.fsdp import parallelize
+from pretrain.parallel.grad_norm import clip_grad_norm_
+from pretrain.parallel.launch import run_ranks
+from pretrain.text_encoder import PromptEmbeds
+from tests.distributed.common import full_grads, full_params
+from tests.distributed.test_tensor_parallel import rel_diff
+
+pytestmark = pytest.mark.core
+
+T5_LEN, LLAMA_LEN = 6, 5
+
+
+def hidream():
+    """A tiny HiDream adapter (seed 0) and a batch of 4: latents [4, 4, 16, 16] (patch 8: 4 image tokens each)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImageTransformer2DModel
+
+    from pretrain.models.hidream import HiDreamAdapter
+
+    torch.manual_seed(0)
+    transformer = HiDreamImageTransformer2DModel(
+        patch_size=8, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, caption_channels=[32, 24], text_emb_dim=32, num_routed_experts=4,
+        num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(128, 128), llama_layers=[0, 1])
+    model = HiDreamAdapter(transformer, FlowMatchEulerDiscreteScheduler(shift=3.0), T5_LEN, 32, 24, 2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 4, 16, 16, generator=g)
+    tokens = torch.randn(4, T5_LEN + 2 * LLAMA_LEN, 32, generator=g)
+    tokens[:, T5_LEN:, 24:] = 0  # the Llama states are narrower (HiDreamPromptEncoder's zero padding)
+    embeds = PromptEmbeds(tokens, torch.randn(4, 32, generator=g))
+    return model, (x, torch.rand(4, generator=g), embeds), torch.randn(4, 4, 16, 16, generator=g)
+
+
+def _ep_equals_one_process(rank, world):
+    mesh = ParallelDims(ep=2).build_mesh()  # dp_shard = world: EP 2 alone, or EP 2 x FSDP 2
+    model, inputs, target = hidream()
+    ref, _, _ = hidream()
+    parallelize(model, mesh, ParallelConfig())
+    per = 4 // world
+    rows = slice(per * mesh.dp_rank, per * mesh.dp_rank + per)
+    x, sigma, embeds = inputs
+    with torch.no_grad():  # the rollout's path: diffusers' moe_infer in one process, the same dispatch here
+        sampled, sampled_ref = model(x[rows], sigma[rows], embeds[rows]), ref.eval()(*inputs)[rows]
+    ref.train()
+    out, out_ref = model(x[rows], sigma[rows], embeds[rows]), ref(*inputs)
+    (out - target[rows]).pow(2).mean().backward()
+    (out_ref - target).pow(2).mean().backward()
+    grads, want = full_grads(model), full_grads(ref)
+    norm = float(clip_grad_norm_(list(model.parameters()), float("inf")))
+    norm_ref = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    params, params_ref = full_params(model), full_params(ref)
+    experts = sorted({int(n.split("experts.")[1].split(".")[0]) for n in params if ".experts." in n})
+    return dict(experts=experts, names=set(grads), all_names=set(want),
+                missing=sorted(set(grads) - set(want)),
+                out_diff=float((out - out_ref[rows]).abs().max()), out_max=float(out_ref.abs().max()),
+                sampled_diff=float((sampled - sampled_ref).abs().max()),
+                grad_rel=rel_diff(grads, {k: want[k] for k in grads}),
+                norm=norm, norm_ref=norm_ref,
+                param_diff=max(float((params[k] - params_ref[k]).abs().max()) for k in params),
+                expert_grad_max=max(float(g.abs().max()) for k, g in grads.items() if ".experts." in k))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_ep2_equals_one_process(world, capsys):
+    ranks = run_ranks(_ep_equals_one_process, world_size=world)
+    with capsys.disabled():
+        for r in ranks:
+            print(f"\nEP 2 on {world} ranks: experts {r['experts']}; output {r['out_diff']:.1e} (sampled "
+                  f"{r['sampled_diff']:.1e}); gradients {r['grad_rel'][0]:.1e} relative (worst {r['grad_rel'][1]}); "
+                  f"gradient norm {r['norm']:.6f} vs {r['norm_ref']:.6f}; weights after SGD {r['param_diff']:.1e}")
+    # each EP rank holds its half of every layer's routed experts (4: two per rank), the rest is everywhere
+    assert [r["experts"] for r in ranks] == [[0, 1], [2, 3]] * (world // 2)
+    assert set().union(*(r["names"] for r in ranks)) == ranks[0]["all_names"] and not ranks[0]["missing"]
+    for r in ranks:
+        assert r["out_diff"] <= 1e-5 * max(1.0, r["out_max"]) and r["sampled_diff"] <= 1e-5, r
+        assert r["grad_rel"][0] <= 1e-5 and r["expert_grad_max"] > 0, r
+        assert r["param_diff"] <= 1e-5, r
+        assert abs(r["norm"] - r["norm_ref"]) <= 1e-5 * r["norm_ref"], r  # other ranks' experts counted once
+
+
+def test_ep_layouts_are_refused_by_name():
+    with pytest.raises(ValueError, match="parallel.ep=3 does not divide dp_shard=4"):
+        ParallelDims(ep=3).resolved(4)
+    with pytest.raises(ValueError, match=r"parallel.ep=2 with parallel.tp=2: expert parallelism composes"):
+        ParallelDims(ep=2, tp=2).resolved(4)
+    assert ParallelDims(ep=2).resolved(4) == ParallelDims(1, 4, 1, 1, 1, 2)
+    from pretrain.parallel.expert import local_range
+
+    assert list(local_range(8, 4, 3)) == [6, 7]
+    with pytest.raises(ValueError, match="parallel.ep=3 does not divide the model's 4 routed experts"):
+        local_range(4, 3, 0)
