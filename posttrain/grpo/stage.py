@@ -23,6 +23,7 @@ from posttrain.grpo.engines.reward_actor import RewardEngineConfig
 from posttrain.grpo.update import GRPOAlgorithmConfig
 from posttrain.base.data_loss import DataLoss, DataLossConfig
 from posttrain.base.guard import Guard, group_diversity
+from pretrain.router_load import RouterLoad
 from pretrain.runtime.loop import run_stage
 from posttrain.grpo.perf import PerfConfig, apply_model_options, compile_models, merge_lora_blocker, resolve_perf
 from posttrain.base.run import PolicyRun
@@ -196,6 +197,8 @@ class GRPORun(PolicyRun):
         self.prompts = EpochSampler(len(st.train_set), self.seed)
         self.scorer = AsyncScorer(self.rewards, self.perf.reward_workers)
         self.signal = SignalGuard(cfg.train.max_no_signal)
+        experts = st.model.moe_layers() if hasattr(st.model, "moe_layers") else []
+        self.router = RouterLoad(experts) if experts else None  # a mixture-of-experts policy's load, logged
         self.guard = Guard.for_stage(cfg.guard, st, trained=self.rewards)
         self.pretraining = DataLoss(cfg.data_loss, st, self.seed) if cfg.data_loss.weight else None
         if self.pretraining is not None:
@@ -268,6 +271,8 @@ class GRPORun(PolicyRun):
         # this rank's update stats and diversity, pooled over the ranks (means by trained samples, true maxima)
         pooled = self.ranks.pool({**summarize(stats), "diversity": diversity}, float(mask.sum()), RANK_SAME)
         extra = {**{f"reward/{n}_truncated_frac": f for n, f in truncated.items()}}
+        if self.router is not None:
+            extra.update(self.router.pop(self.ranks.mesh.dp_group if self.ranks.distributed else None))
         if text_truncated is not None:
             extra["text_encoder_truncated_frac"] = text_truncated
         return {**reward_stats(total, raw), **pooled, **extra, "zero_spread_frac": float(zero.float().mean()),

@@ -68,13 +68,32 @@ def _plain_adapter(model: torch.nn.Module, transformer: torch.nn.Module) -> torc
     return plain
 
 
+def _routed_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective under expert parallelism: on rank 0, the full CPU values of the routed experts every EP
+    rank holds (their parameters live on the ``dp_shard_mod_ep`` mesh, ``expert.py``), which a full state
+    dict, gathered to rank 0 alone, would miss; empty elsewhere and without EP."""
+    from pretrain.parallel.expert import EXPERT_SHARD_DIM
+
+    local = {name: p for name, p in model.named_parameters()
+             if EXPERT_SHARD_DIM in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())}
+    if not local:
+        return {}
+    full = {name: p.full_tensor().detach().cpu() for name, p in local.items()}  # over the ranks sharing them
+    first = next(iter(local.values())).device_mesh.get_local_rank() == 0
+    gathered = [None] * dist.get_world_size() if _is_rank0() else None
+    dist.gather_object(full if first else {}, gathered, dst=0)
+    return {k: v for part in gathered or [] for k, v in part.items()}
+
+
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:
     """Collective: on rank 0, a plain CPU copy of ``model`` (a model adapter, its settings kept
-    (:func:`_plain_adapter`), or a diffusers denoiser; FSDP2-, TP- or CP-sharded or not)
+    (:func:`_plain_adapter`), or a diffusers denoiser; FSDP2-, TP-, CP- or expert-parallel or not)
     with the same parameter names, values and dtypes; None on other ranks."""
+    experts = _routed_experts(model)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not _is_rank0():
         return None
+    full.update(experts)
     inner = getattr(model, "transformer", None)
     if inner is None:
         plain = _skeleton(model)

@@ -85,14 +85,15 @@ class JobRanks:
             return "1 process"
         d = self.mesh.dims
         extra = "".join(f" x {k} {getattr(d, k)}" for k in ("cp", "tp") if getattr(d, k) > 1)
+        extra += f" (experts over ep {d.ep} of the dp_shard ranks)" if d.ep > 1 else ""
         return f"world {dist.get_world_size()} = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x sp {d.sp}{extra}"
 
     def model_parallel_shape(self) -> dict:
-        """``{"parallel.tp" | "parallel.sp" | "parallel.cp": degree}`` of this job (1 in one process): what
-        a resume keeps (checked against the checkpoint's ``shape.json``), while the data-parallel degree
-        may change."""
+        """``{"parallel.tp" | "parallel.sp" | "parallel.cp" | "parallel.ep": degree}`` of this job (1 in one
+        process): what a resume keeps (checked against the checkpoint's ``shape.json``), while the
+        data-parallel degree may change."""
         d = self.mesh.dims if self.mesh else None
-        return {f"parallel.{k}": getattr(d, k) if d else 1 for k in ("tp", "sp", "cp")}
+        return {f"parallel.{k}": getattr(d, k) if d else 1 for k in ("tp", "sp", "cp", "ep")}
 
     # -- config checks ---------------------------------------------------------------------------
     def require_divisible(self, key: str, value: int, why: str) -> None:

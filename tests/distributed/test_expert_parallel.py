@@ -41,10 +41,28 @@ def hidream():
     return model, (x, torch.rand(4, generator=g), embeds), torch.randn(4, 4, 16, 16, generator=g)
 
 
-def _ep_equals_one_process(rank, world):
+def with_expert_lora(model):
+    """Frozen base, LoRA r 4 on the attention's ``to_q`` and on every expert's ``w1`` / ``w2`` / ``w3`` (shared
+    and routed), B random so every gradient is non-zero."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    torch.manual_seed(3)
+    model.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                             target_modules=["to_q", "w1", "w2", "w3"]))
+    g = torch.Generator().manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _ep_equals_one_process(rank, world, lora=False):
     mesh = ParallelDims(ep=2).build_mesh()  # dp_shard = world: EP 2 alone, or EP 2 x FSDP 2
     model, inputs, target = hidream()
     ref, _, _ = hidream()
+    if lora:
+        model, ref = with_expert_lora(model), with_expert_lora(ref)
     parallelize(model, mesh, ParallelConfig())
     per = 4 // world
     rows = slice(per * mesh.dp_rank, per * mesh.dp_rank + per)
@@ -58,8 +76,8 @@ def _ep_equals_one_process(rank, world):
     grads, want = full_grads(model), full_grads(ref)
     norm = float(clip_grad_norm_(list(model.parameters()), float("inf")))
     norm_ref = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1).step()
     params, params_ref = full_params(model), full_params(ref)
     experts = sorted({int(n.split("experts.")[1].split(".")[0]) for n in params if ".experts." in n})
     return dict(experts=experts, names=set(grads), all_names=set(want),
@@ -72,17 +90,20 @@ def _ep_equals_one_process(rank, world):
                 expert_grad_max=max(float(g.abs().max()) for k, g in grads.items() if ".experts." in k))
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
-def test_ep2_equals_one_process(world, capsys):
-    ranks = run_ranks(_ep_equals_one_process, world_size=world)
+@pytest.mark.parametrize("world,lora", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.long)])
+def test_ep2_equals_one_process(world, lora, capsys):
+    """Full fine-tuning, and LoRA on the routed experts too (their adapters live and train on the expert's rank)."""
+    ranks = run_ranks(_ep_equals_one_process, lora, world_size=world)
     with capsys.disabled():
         for r in ranks:
-            print(f"\nEP 2 on {world} ranks: experts {r['experts']}; output {r['out_diff']:.1e} (sampled "
+            print(f"\nEP 2 on {world} ranks{' (LoRA)' if lora else ''}: experts {r['experts']}; "
+                  f"output {r['out_diff']:.1e} (sampled "
                   f"{r['sampled_diff']:.1e}); gradients {r['grad_rel'][0]:.1e} relative (worst {r['grad_rel'][1]}); "
                   f"gradient norm {r['norm']:.6f} vs {r['norm_ref']:.6f}; weights after SGD {r['param_diff']:.1e}")
     # each EP rank holds its half of every layer's routed experts (4: two per rank), the rest is everywhere
     assert [r["experts"] for r in ranks] == [[0, 1], [2, 3]] * (world // 2)
     assert set().union(*(r["names"] for r in ranks)) == ranks[0]["all_names"] and not ranks[0]["missing"]
+    assert lora == all("lora" in n for n in ranks[0]["all_names"])
     for r in ranks:
         assert r["out_diff"] <= 1e-5 * max(1.0, r["out_max"]) and r["sampled_diff"] <= 1e-5, r
         assert r["grad_rel"][0] <= 1e-5 and r["expert_grad_max"] > 0, r
@@ -101,3 +122,36 @@ def test_ep_layouts_are_refused_by_name():
     assert list(local_range(8, 4, 3)) == [6, 7]
     with pytest.raises(ValueError, match="parallel.ep=3 does not divide the model's 4 routed experts"):
         local_range(4, 3, 0)
+
+
+@pytest.fixture(scope="module")
+def hidream_folder(tmp_path_factory):
+    from tests.families.test_hidream import build_tiny_hidream
+
+    return str(build_tiny_hidream(tmp_path_factory.mktemp("ep_hidream") / "pipeline"))
+
+
+def test_a_grpo_iteration_under_ep2_equals_one_process(hidream_folder, tmp_path, capsys):
+    """One LoRA GRPO iteration of the HiDream folder (``tests/distributed/test_layout_grpo.py``'s run: brightness
+    reward, one optimizer step, LoRA on the attention and on every expert): EP 2 on 2 ranks samples, scores,
+    checkpoints and exports as one process does (the exported adapter holds both ranks' routed experts)."""
+    from tests.distributed.test_layout_grpo import FAMILY, LORA_TOL, RATIO_TOL, REWARD_TOL, _grpo
+
+    options = (*FAMILY["hidream"], "policy.target_modules=[to_q,to_k,to_v,w1,w2,w3]")
+    ref = run_ranks(_grpo, hidream_folder, str(tmp_path / "one"), options, world_size=1)[0]
+    ranks = run_ranks(_grpo, hidream_folder, str(tmp_path / "ep"), (*options, "parallel.ep=2"))
+    d_reward = max((r["total"] - ref["total"]).abs().max().item() for r in ranks)
+    lora, lora_ref = ranks[0]["lora"], ref["lora"]
+    d_lora = max((lora[k] - lora_ref[k]).abs().max().item() for k in lora_ref)
+    with capsys.disabled():
+        print(f"\nHiDream GRPO, ep=2 on 2 ranks: {ranks[0]['layout']}\n  iteration 1 max |d reward| vs 1 process "
+              f"{d_reward:.1e}; exported LoRA max |d| {d_lora:.1e}; first ratio {[r['ratio'] for r in ranks]}; "
+              f"router load {ranks[0]['moe']} (one process {ref['moe']})")
+    assert "ep 2" in ranks[0]["layout"] and ref["total"].std() > 0
+    assert torch.equal(ranks[0]["total"], ranks[1]["total"]) and d_reward <= REWARD_TOL, d_reward
+    for r in [ref, *ranks]:
+        assert abs(r["ratio"][0] - 1) <= RATIO_TOL and abs(r["ratio"][1] - 1) <= RATIO_TOL, r["ratio"]
+    assert set(lora) == set(lora_ref) and d_lora <= LORA_TOL
+    assert {k.split("experts.")[1][0] for k in lora if ".experts." in k} == {"0", "1", "2", "3"}
+    # the router's load, counted on each rank and summed, is the one process's
+    assert set(ref["moe"]) == {"moe/load_max", "moe/load_min", "moe/idle_experts"} and ranks[0]["moe"] == ref["moe"]

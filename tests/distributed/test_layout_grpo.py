@@ -32,6 +32,7 @@ FAMILY = {
                   "eval.guidance_scale=4.0"),
     "flux2": ("model.options.image_size=32", "model.options.max_sequence_length=64", "rollout.guidance_scale=4.0",
               "eval.guidance_scale=4.0"),
+    "hidream": ("model.options.image_size=32", "model.options.max_sequence_length=16"),
 }
 LAYOUTS = [("sd3", "tp", 2), ("flux", "tp", 2), ("flux", "cp", 2), ("wan", "tp", 2), ("wan", "cp", 2),
            ("qwenimage", "tp", 2), ("qwenimage", "cp", 2), ("flux2", "cp", 2),
@@ -63,6 +64,7 @@ def _grpo(rank, world, folder, run_dir, overrides):
     run.finish()
     lora = Path(run_dir) / "grpo" / "lora" / "pytorch_lora_weights.safetensors"
     return dict(total=totals[0], ratio=(metrics["ratio_min"], metrics["ratio_max"]), layout=run.ranks.describe(),
+                moe={k: v for k, v in metrics.items() if k.startswith("moe/")},
                 lora=load_file(str(lora)) if rank == 0 else None)
 
 
