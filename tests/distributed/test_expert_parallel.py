@@ -131,24 +131,28 @@ def hidream_folder(tmp_path_factory):
     return str(build_tiny_hidream(tmp_path_factory.mktemp("ep_hidream") / "pipeline"))
 
 
-def test_a_grpo_iteration_under_ep2_equals_one_process(hidream_folder, tmp_path, capsys):
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_a_grpo_iteration_under_ep2_equals_one_process(world, hidream_folder, tmp_path, capsys):
     """One LoRA GRPO iteration of the HiDream folder (``tests/distributed/test_layout_grpo.py``'s run: brightness
-    reward, one optimizer step, LoRA on the attention and on every expert): EP 2 on 2 ranks samples, scores,
-    checkpoints and exports as one process does (the exported adapter holds both ranks' routed experts)."""
+    reward, one optimizer step, LoRA on the attention and on every expert): EP 2 on 2 ranks, and EP 2 x FSDP 2
+    on 4 (4 prompts, mini-batch 8), sample, score, checkpoint and export as one process does (the exported
+    adapter holds both EP ranks' routed experts)."""
     from tests.distributed.test_layout_grpo import FAMILY, LORA_TOL, RATIO_TOL, REWARD_TOL, _grpo
 
     options = (*FAMILY["hidream"], "policy.target_modules=[to_q,to_k,to_v,w1,w2,w3]")
+    if world == 4:
+        options += ("rollout.prompts_per_step=4", "rollout.batch_size=8", "train.batch_size=8")
     ref = run_ranks(_grpo, hidream_folder, str(tmp_path / "one"), options, world_size=1)[0]
-    ranks = run_ranks(_grpo, hidream_folder, str(tmp_path / "ep"), (*options, "parallel.ep=2"))
+    ranks = run_ranks(_grpo, hidream_folder, str(tmp_path / "ep"), (*options, "parallel.ep=2"), world_size=world)
     d_reward = max((r["total"] - ref["total"]).abs().max().item() for r in ranks)
     lora, lora_ref = ranks[0]["lora"], ref["lora"]
     d_lora = max((lora[k] - lora_ref[k]).abs().max().item() for k in lora_ref)
     with capsys.disabled():
-        print(f"\nHiDream GRPO, ep=2 on 2 ranks: {ranks[0]['layout']}\n  iteration 1 max |d reward| vs 1 process "
+        print(f"\nHiDream GRPO, ep=2 on {world} ranks: {ranks[0]['layout']}\n  iteration 1 max |d reward| vs 1 process "
               f"{d_reward:.1e}; exported LoRA max |d| {d_lora:.1e}; first ratio {[r['ratio'] for r in ranks]}; "
               f"router load {ranks[0]['moe']} (one process {ref['moe']})")
     assert "ep 2" in ranks[0]["layout"] and ref["total"].std() > 0
-    assert torch.equal(ranks[0]["total"], ranks[1]["total"]) and d_reward <= REWARD_TOL, d_reward
+    assert all(torch.equal(ranks[0]["total"], r["total"]) for r in ranks) and d_reward <= REWARD_TOL, d_reward
     for r in [ref, *ranks]:
         assert abs(r["ratio"][0] - 1) <= RATIO_TOL and abs(r["ratio"][1] - 1) <= RATIO_TOL, r["ratio"]
     assert set(lora) == set(lora_ref) and d_lora <= LORA_TOL
