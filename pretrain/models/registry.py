@@ -19,6 +19,7 @@ from pretrain.registry import Registry
 import pretrain.models.flux as flux
 import pretrain.models.flux2 as flux2
 import pretrain.models.hidream as hidream
+import pretrain.models.ltx2 as ltx2
 import pretrain.models.qwenimage as qwenimage
 import pretrain.models.sd3 as sd3
 import pretrain.models.unet as unet
@@ -92,6 +93,7 @@ FAMILIES: Registry = Registry("model family", {
     "zimage": Family(zimage.ZImageAdapter, "ZImageTransformer2DModel", pipelines=(zimage.PIPELINE,), load=zimage.load),
     "hidream": Family(hidream.HiDreamAdapter, "HiDreamImageTransformer2DModel", pipelines=(hidream.PIPELINE,),
                       load=hidream.load),
+    "ltx2": Family(ltx2.LTX2Adapter, "LTX2VideoTransformer3DModel", pipelines=(ltx2.PIPELINE,), load=ltx2.load),
     "unet": Family(unet.UNetAdapter, "UNet2DConditionModel", unet.UNET_PRESETS, unet.build, overrides=("scheduler",),
                    pipelines=("StableDiffusionPipeline", "StableDiffusionXLPipeline"), load=unet.load,
                    finalize_export=unet.finalize_export, adapter_settings=unet.preset_settings),
