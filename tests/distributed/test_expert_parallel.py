@@ -63,7 +63,7 @@ def _ep_equals_one_process(rank, world, lora=False):
     ref, _, _ = hidream()
     if lora:
         model, ref = with_expert_lora(model), with_expert_lora(ref)
-    parallelize(model, mesh, ParallelConfig())
+    parallelize(model, mesh, ParallelConfig(activation_checkpointing=lora))  # the dispatch recomputed in backward
     per = 4 // world
     rows = slice(per * mesh.dp_rank, per * mesh.dp_rank + per)
     x, sigma, embeds = inputs
@@ -92,7 +92,8 @@ def _ep_equals_one_process(rank, world, lora=False):
 
 @pytest.mark.parametrize("world,lora", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.long)])
 def test_ep2_equals_one_process(world, lora, capsys):
-    """Full fine-tuning, and LoRA on the routed experts too (their adapters live and train on the expert's rank)."""
+    """Full fine-tuning, and LoRA on the routed experts too (their adapters live and train on the expert's rank)
+    with activation checkpointing (backward recomputes each block, all-to-alls included)."""
     ranks = run_ranks(_ep_equals_one_process, lora, world_size=world)
     with capsys.disabled():
         for r in ranks:
