@@ -1,6 +1,6 @@
 """FSDP2 over the blocks of the other families' denoisers (FLUX.1 and FLUX.2 double + single blocks,
-Qwen-Image's blocks, Z-Image's refiners and layers, a UNet's down / mid / up blocks): 2 ranks on half a
-batch each equal one process on the whole batch."""
+Qwen-Image's blocks, Z-Image's refiners and layers, LTX-2's audio-video blocks, a UNet's down / mid / up
+blocks): 2 ranks on half a batch each equal one process on the whole batch."""
 
 import pytest
 import torch
@@ -107,6 +107,27 @@ def zimage():
     return model, loss
 
 
+def ltx2():
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, caption_channels=16,
+        rope_double_precision=False, rope_type="split")
+
+    def loss(m, rows):
+        g = torch.Generator().manual_seed(1)
+        video, audio = torch.randn(4, 2 * 4 * 4, 4, generator=g), torch.randn(4, 3, 4, generator=g)
+        text, t = torch.randn(4, 5, 16, generator=g), 1000 * torch.rand(4, generator=g)
+        v, a = m(hidden_states=video[rows], audio_hidden_states=audio[rows], encoder_hidden_states=text[rows],
+                 audio_encoder_hidden_states=text[rows], timestep=t[rows], sigma=t[rows], num_frames=2, height=4,
+                 width=4, audio_num_frames=3, use_cross_timestep=True, return_dict=False)
+        return v.pow(2).mean() + a.pow(2).mean()
+    return model, loss
+
+
 def _family_fsdp(rank, world, build):
     mesh = ParallelDims().build_mesh()
     ref, loss = build()
@@ -124,8 +145,8 @@ def _family_fsdp(rank, world, build):
 
 
 # FLUX.1 and FLUX.2: 1 double + 2 single blocks; Qwen-Image: 2 blocks; Z-Image: a noise refiner, a caption
-# refiner and 2 joint layers; the UNet: 2 down, mid, 2 up
-@pytest.mark.parametrize("build,units", [(flux, 3), (flux2, 3), (qwenimage, 2), (zimage, 4),
+# refiner and 2 joint layers; LTX-2: 2 audio-video blocks; the UNet: 2 down, mid, 2 up
+@pytest.mark.parametrize("build,units", [(flux, 3), (flux2, 3), (qwenimage, 2), (zimage, 4), (ltx2, 2),
                                          pytest.param(unet, 5, marks=pytest.mark.long)])
 def test_fsdp_shards_every_block_and_matches_one_process(build, units):
     for r in run_ranks(_family_fsdp, build):
