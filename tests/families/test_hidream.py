@@ -130,3 +130,14 @@ def test_grpo_iteration_exports_and_a_lora_that_load_in_diffusers(hidream_folder
         print(f"\nHiDream GRPO export: HiDreamImagePipeline(export) vs ours {d_export:.2e}; base + lora/ {d_lora:.2e}; "
               f"base (trained change) {d_base:.2e}")
     assert d_export <= 1e-5 and d_lora <= 1e-5 and d_base > 1e-4
+
+
+def test_real_hidream_config_loads(hidream_folder):
+    from posttrain.grpo.stage import GRPOConfig, iteration_shape
+    from pretrain.config import load_config
+    from tests.conftest import ROOT
+
+    cfg = load_config(GRPOConfig, ROOT / "configs/grpo/hidream_i1.yaml", [f"model.pretrained={hidream_folder}"])
+    assert cfg.parallel.ep == 4 and cfg.parallel.dims().resolved(8).dp_shard == 8  # EP 4 inside FSDP 8
+    assert cfg.model.options == {"max_sequence_length": 128, "num_inference_steps": 50, "dtype": "bfloat16"}
+    assert iteration_shape(cfg)[0] == 128 and cfg.policy.target_modules is None  # the family's attention

@@ -155,3 +155,14 @@ def test_grpo_iteration_exports_and_a_lora_that_load_in_diffusers(ltx2_folder, t
         print(f"\nLTX-2 GRPO export: LTX2Pipeline(export) vs ours {d_export:.2e}; base + lora/ {d_lora:.2e}; "
               f"base (trained change) {d_base:.2e}")
     assert d_export <= 1e-5 and d_lora <= 1e-5 and d_base > 1e-4
+
+
+def test_real_ltx2_config_loads(ltx2_folder):
+    from posttrain.grpo.stage import GRPOConfig, iteration_shape
+    from pretrain.config import load_config
+    from tests.conftest import ROOT
+
+    cfg = load_config(GRPOConfig, ROOT / "configs/grpo/ltx2.yaml", [f"model.pretrained={ltx2_folder}"])
+    assert cfg.model.options == {"image_size": 512, "num_frames": 121, "frame_rate": 24.0, "max_sequence_length": 256,
+                                 "dtype": "bfloat16"}
+    assert iteration_shape(cfg)[0] == 32 and cfg.parallel.activation_checkpointing
