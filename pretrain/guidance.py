@@ -39,15 +39,22 @@ def combine(model, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale:
     return (rule or cfg_combine)(v_cond, v_uncond, guidance_scale)
 
 
+def uses_cfg(model, guidance_scale: float) -> bool:
+    """Whether sampling ``model`` at ``guidance_scale`` runs the unconditional branch: a scale other than 1,
+    or a family that guides another stream at its own scale even then (``model.guides_at_unit_scale``: LTX-2's
+    audio, as ``LTX2Pipeline`` guides it when only ``audio_guidance_scale`` exceeds 1)."""
+    return guidance_scale != 1.0 or bool(getattr(model, "guides_at_unit_scale", False))
+
+
 def guided_velocity(model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds, null_embeds: PromptEmbeds,
                     guidance_scale: float) -> torch.Tensor:
     """v = v_uncond + w (v_cond - v_uncond) (Ho & Salimans 2022, eq. 6 in velocity form; the family's
     rule, :func:`combine`), float32 ``[B, ...]``, the branches from :func:`cfg_branches`.
 
-    ``model(x, sigma [B], embeds) -> v``; ``sigma`` a scalar or ``[B]``. With ``guidance_scale == 1``
-    only the conditional branch runs."""
+    ``model(x, sigma [B], embeds) -> v``; ``sigma`` a scalar or ``[B]``. Without CFG (:func:`uses_cfg`: a
+    ``guidance_scale`` of 1) only the conditional branch runs."""
     b = x.shape[0]
     sigma = sigma.expand(b) if sigma.ndim == 0 or sigma.shape[0] != b else sigma
-    if guidance_scale == 1.0:
+    if not uses_cfg(model, guidance_scale):
         return model(x, sigma, embeds)
     return combine(model, *cfg_branches(model, x, sigma, embeds, null_embeds), guidance_scale)

@@ -2,15 +2,16 @@
 MoE layer received, counted by forward hooks on the gates (DeepSeek-V3's layout: ``gate(x)`` returns
 ``(topk_idx [N, k], topk_weight, aux)``), with or without expert parallelism.
 
-Logged per GRPO iteration (rollout and update forwards together, summed over ranks) as
+Logged per GRPO iteration (every forward of the policy since the previous log: rollouts, the update, and
+the grids and guard probes of the step before; summed over ranks; a recompute in backward is not counted) as
 
 - ``moe/load_max``: over layers, the largest expert's share over the mean share (1 = balanced; ``E / k``
   when every token picks the same ``k`` of ``E`` experts);
 - ``moe/load_min``: over layers, the smallest expert's share over the mean (0: an expert no token reached);
 - ``moe/idle_experts``: (layer, expert) pairs that received no token.
 
-With expert parallelism the largest share is also the busiest EP rank's load relative to the others: what
-bounds an EP step's time (``expert.py``).
+With expert parallelism an EP rank's load is the sum of its experts' shares (one expert per rank when
+``ep`` equals the expert count): the busiest rank bounds an EP step's time (``expert.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class RouterLoad:
 
     def _hook(self, i: int):
         def count(_gate, _inputs, output):
+            if torch._C._current_graph_task_id() != -1:
+                return  # an activation-checkpoint recompute in backward: the forward was counted
             seen = torch.bincount(output[0].reshape(-1).detach(), minlength=self.sizes[i])
             self.counts[i] = seen if self.counts[i] is None else self.counts[i] + seen
         return count

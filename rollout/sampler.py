@@ -21,7 +21,7 @@ import torch
 
 from pretrain.codec import decode_conditions
 from pretrain.data.dataset import EncodedSet
-from pretrain.guidance import cfg_branches, combine, guided_velocity
+from pretrain.guidance import cfg_branches, combine, guided_velocity, uses_cfg
 from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 from rollout.branches import CFGBranches
@@ -118,7 +118,7 @@ class Sampler:
         x, z = x.to(device) * model.initial_scale(float(s.sigmas[0])), z.to(device)
         embeds, null, sig = embeds.to(device), s.negative.to(device), s.sigmas.to(device)
         latents, log_probs, means, previous, ode = [x], [], [], None, get_ode_solver(s.ode_solver)
-        record = record_uncond and s.guidance_scale != 1.0
+        record = record_uncond and uses_cfg(model, s.guidance_scale)
         uncond = torch.empty((x.shape[0], self.num_steps, *x.shape[1:]), device=device) if record else None
         for t in range(self.num_steps):
             sigma = sig[t].expand(x.shape[0])
@@ -206,7 +206,8 @@ def log_prob(branches, traj: Trajectory, transitions: int | list[int]):
     sigma, sigma_next = sig[idx].repeat_interleave(b), sig[idx + 1].repeat_interleave(b)
     embeds = traj.embeds if len(ts) == 1 else PromptEmbeds.cat([traj.embeds] * len(ts))
     recorded = None if traj.uncond_velocities is None else (lambda: transition_major(traj.uncond_velocities)(idx))
-    v_cond, v_uncond = branches(x, sigma, embeds, s.negative.to(dev) if s.guidance_scale != 1.0 else None, recorded)
+    negative = s.negative.to(dev) if uses_cfg(branches.model, s.guidance_scale) else None
+    v_cond, v_uncond = branches(x, sigma, embeds, negative, recorded)
     v = v_cond if v_uncond is None else combine(branches.model, v_cond, v_uncond, s.guidance_scale)
     return get_step(s.step)(x, v, sigma, sigma_next, noise_level=s.noise_level_at(ts), sigma_after_one=sig[1],
                             prev_sample=prev)

@@ -51,6 +51,9 @@ class ParallelConfig:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{prefix}{name}: '{getattr(self, name)}' is not one of {', '.join(DTYPES)}")
+        if self.ep > 1 and self.reduce_dtype == "fp16":  # FSDP2 splits its divide factor for fp16 reductions,
+            raise ValueError(f"{prefix}reduce_dtype: 'fp16' with {prefix}ep={self.ep} is not supported (the routed "
+                             f"experts' gradients would be divided twice on one rank); use fp32 or bf16")
 
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp_replicate, self.dp_shard, self.sp, self.tp, self.cp, self.ep)
@@ -65,10 +68,10 @@ class ParallelConfig:
 
     def untested_compile(self) -> str | None:
         """Why a ``perf`` preset leaves per-block compile off under this layout: :meth:`compile_blocker`'s
-        reason, or ``sp`` / ``cp`` > 1 (their all-to-alls and ring exchanges inside attention have no test
-        under compile; an explicit ``compile: true`` still runs there), or None."""
+        reason, or ``sp`` / ``cp`` / ``ep`` > 1 (their all-to-alls inside attention or the experts' dispatch have
+        no test under compile; an explicit ``compile: true`` still runs there), or None."""
         blocker = self.compile_blocker()
         if blocker:
             return blocker
-        wide = [f"parallel.{k}={getattr(self, k)}" for k in ("sp", "cp") if getattr(self, k) > 1]
+        wide = [f"parallel.{k}={getattr(self, k)}" for k in ("sp", "cp", "ep") if getattr(self, k) > 1]
         return f"{', '.join(wide)}: not tested under torch.compile" if wide else None

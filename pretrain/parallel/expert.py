@@ -70,7 +70,7 @@ def dispatch(layer: torch.nn.Module, x: torch.Tensor, group: dist.ProcessGroup, 
     dist.all_to_all_single(incoming, counts, group=group)  # [source rank, local expert] pairs arriving here
     send, recv = counts.sum(1).tolist(), incoming.sum(1).tolist()
     inbox = all_to_all_single_autograd(tokens[order // k], recv, send, group)
-    expert_of = torch.arange(len(local)).repeat(ep).repeat_interleave(incoming.flatten())
+    expert_of = torch.arange(len(local), device=incoming.device).repeat(ep).repeat_interleave(incoming.flatten())
     by_expert = torch.argsort(expert_of, stable=True)
     chunks = inbox[by_expert].split(incoming.sum(0).tolist())
     outputs = torch.cat([expert(chunk).to(dtype) for expert, chunk in zip(local, chunks)])

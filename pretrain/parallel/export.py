@@ -69,20 +69,38 @@ def _plain_adapter(model: torch.nn.Module, transformer: torch.nn.Module) -> torc
 
 
 def _routed_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective under expert parallelism: on rank 0, the full CPU values of the routed experts every EP
-    rank holds (their parameters live on the ``dp_shard_mod_ep`` mesh, ``expert.py``), which a full state
-    dict, gathered to rank 0 alone, would miss; empty elsewhere and without EP."""
+    """Collective under expert parallelism: on rank 0, the full CPU values of the routed experts the other
+    EP ranks hold (their parameters live on the ``dp_shard_mod_ep`` mesh, ``expert.py``), which a full state
+    dict, gathered to rank 0 alone, would miss; empty elsewhere and without EP.
+
+    EP rank r (r > 0) of the first group (global rank r: EP ranks are the innermost ``ep`` ranks) sends its
+    experts to rank 0 one tensor at a time (names, shapes and dtypes first), each all-gathered over the
+    ranks sharing it just before, so no rank holds more than one unsharded expert tensor beyond its own."""
     from pretrain.parallel.expert import EXPERT_SHARD_DIM
 
-    local = {name: p for name, p in model.named_parameters()
-             if EXPERT_SHARD_DIM in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())}
+    local = [(name, p) for name, p in model.named_parameters()
+             if EXPERT_SHARD_DIM in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())]
     if not local:
         return {}
-    full = {name: p.full_tensor().detach().cpu() for name, p in local.items()}  # over the ranks sharing them
-    first = next(iter(local.values())).device_mesh.get_local_rank() == 0
-    gathered = [None] * dist.get_world_size() if _is_rank0() else None
-    dist.gather_object(full if first else {}, gathered, dst=0)
-    return {k: v for part in gathered or [] for k, v in part.items()}
+    rank, ep = dist.get_rank(), dist.get_world_size() // local[0][1].device_mesh.size()
+    ep_rank, first = rank % ep, local[0][1].device_mesh.get_local_rank() == 0
+    out = {}
+    if rank == 0:
+        for source in range(1, ep):
+            meta = [None]
+            dist.recv_object_list(meta, src=source)
+            for name, shape, dtype in meta[0]:
+                buffer = torch.empty(shape, dtype=dtype, device=local[0][1].device)
+                dist.recv(buffer, src=source)
+                out[name] = buffer.cpu()
+    elif ep_rank:
+        if first:
+            dist.send_object_list([[(n, tuple(p.shape), p.dtype) for n, p in local]], dst=0)
+        for _, p in local:
+            full = p.full_tensor().detach().contiguous()  # over the ranks sharing these experts
+            if first:
+                dist.send(full, dst=0)
+    return out
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -118,6 +118,9 @@ def test_ep_layouts_are_refused_by_name():
     with pytest.raises(ValueError, match=r"parallel.ep=2 with parallel.tp=2: expert parallelism composes"):
         ParallelDims(ep=2, tp=2).resolved(4)
     assert ParallelDims(ep=2).resolved(4) == ParallelDims(1, 4, 1, 1, 1, 2)
+    with pytest.raises(ValueError, match="reduce_dtype: 'fp16' with parallel.ep=2"):
+        ParallelConfig(ep=2, reduce_dtype="fp16").validate("parallel.")
+    assert "parallel.ep=2" in ParallelConfig(ep=2).untested_compile()  # a perf preset leaves compile off
     from pretrain.parallel.expert import local_range
 
     assert list(local_range(8, 4, 3)) == [6, 7]

@@ -80,13 +80,13 @@ def ltx2_folder(tmp_path_factory):
     return build_tiny_ltx2(tmp_path_factory.mktemp("tiny_ltx2") / "pipeline")
 
 
-def _pipeline(pipe, noise, codec, prompts=PROMPTS, steps=STEPS, output_type="pt"):
+def _pipeline(pipe, noise, codec, prompts=PROMPTS, steps=STEPS, output_type="pt", scale=SCALE):
     """The pipeline from our joint noise ``[B, S_v + S_a, C]`` (its packed video latents as given, its audio
     latents de-normalised so that its normalisation gives ours back), CFG only: frames ``[B, F, 3, H, W]``,
     or with ``output_type`` "latent" the final state in our layout (normalised and packed again)."""
     v, a = noise[:, :-codec.audio_tokens], noise[:, -codec.audio_tokens:]
     a = a * pipe.audio_vae.latents_std + pipe.audio_vae.latents_mean
-    out = pipe(prompts, latents=v.clone(), audio_latents=a.clone(), num_inference_steps=steps, guidance_scale=SCALE,
+    out = pipe(prompts, latents=v.clone(), audio_latents=a.clone(), num_inference_steps=steps, guidance_scale=scale,
                audio_guidance_scale=AUDIO_SCALE, height=SIZE, width=SIZE, num_frames=FRAMES, frame_rate=FPS,
                max_sequence_length=LENGTH, output_type=output_type, **CFG_ONLY)
     if output_type != "latent":
@@ -120,6 +120,10 @@ def test_sampler_encoder_and_schedule_match_the_pipeline(ltx2_folder, capsys):
         print(f"\nLTX-2 vs LTX2Pipeline: video latents {d_video:.2e}, audio latents {d_audio:.2e} (|max| "
               f"{state.abs().max():.2f}), frames {d_frames:.2e}; sigmas {model.sigmas(STEPS).tolist()}")
     assert d_video <= 1e-5 and d_audio <= 1e-5 and d_frames <= 1e-5
+    # at a video scale of 1 the pipeline still guides the audio (at its own scale), and so do we
+    unit = sample_latents(model, embeds, encoder.encode([""]), noise, STEPS, 1.0, None)
+    d_unit = max_diff(unit, _pipeline(pipe, noise, codec, output_type="latent", scale=1.0))
+    assert d_unit <= 1e-5, d_unit
     # the audio guidance scale is its own: with the video's scale on the audio too, the audio moves
     model.audio_guidance_scale = SCALE
     other = sample_latents(model, embeds, encoder.encode([""]), noise, STEPS, SCALE, None)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from pretrain.router_load import RouterLoad
 
@@ -39,3 +40,16 @@ def test_load_shares_idle_experts_and_reset():
     load.remove()
     layers[0].gate(torch.zeros(1))
     assert load.pop() == {}
+
+
+def test_an_activation_checkpoint_recompute_is_not_counted_twice():
+    layer = Layer([[0, 1]])
+    load = RouterLoad([layer])
+    x = torch.ones(1, requires_grad=True)
+
+    def block(x):
+        layer.gate(x)
+        return x * 2
+
+    torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()  # forward, then recompute
+    assert load.counts[0].tolist() == [1, 1, 0, 0]

@@ -21,12 +21,15 @@ class LTX2Codec:
     """Joint states ``[B, S_v + S_a, C]`` (module notes) -> videos float32 ``[B, F, 3, H, W]`` in [0, 1]: the video
     tokens unpacked to ``[B, C, F', h, w]``, denormalised (``latents * latents_std / scaling_factor +
     latents_mean``), decoded by the VAE (at decode timestep 0 where it is timestep-conditioned, the pipeline's
-    default) and mapped from [-1, 1] as its ``VideoProcessor`` does. ``num_frames``: F, ``8k + 1`` for the
-    released VAE (``ValueError`` otherwise); ``audio_tokens``: S_a. Encoding is refused: a video has no
-    audio track to put in the state's audio part (rollout-based training only)."""
+    default) and mapped from [-1, 1] as its ``VideoProcessor`` does; as the pipeline, the latents are cast to
+    ``latent_dtype`` (its text embeddings' dtype, the load ``dtype``) before they are de-normalised.
+    ``num_frames``: F, ``8k + 1`` for the released VAE (``ValueError`` otherwise); ``audio_tokens``: S_a.
+    Encoding is refused: a video has no audio track to put in the state's audio part (rollout-based training only)."""
 
-    def __init__(self, vae: torch.nn.Module, num_frames: int, audio_tokens: int, audio_width: int):
+    def __init__(self, vae: torch.nn.Module, num_frames: int, audio_tokens: int, audio_width: int,
+                 latent_dtype: torch.dtype = torch.float32):
         self.vae = vae.eval().requires_grad_(False)
+        self.latent_dtype = latent_dtype
         self.channels = int(vae.config.latent_channels)
         if audio_width != self.channels:
             raise ValueError(f"LTX-2: audio latents of {audio_width} features per frame and video latents of "
@@ -59,7 +62,7 @@ class LTX2Codec:
             raise ValueError(f"LTX2Codec: state {tuple(state.shape)} is not {self.latent_frames} x h x h video "
                              f"tokens + {self.audio_tokens} audio tokens of {self.channels} channels")
         video = state[:, :s - self.audio_tokens].to(self.vae.device, torch.float32)
-        latents = LTX2Pipeline._unpack_latents(video, self.latent_frames, side, side)
+        latents = LTX2Pipeline._unpack_latents(video, self.latent_frames, side, side).to(self.latent_dtype)
         latents = LTX2Pipeline._denormalize_latents(latents, self.vae.latents_mean, self.vae.latents_std,
                                                     self.vae.config.scaling_factor).to(self.vae.dtype)
         timestep = latents.new_zeros(b) if self.vae.config.timestep_conditioning else None

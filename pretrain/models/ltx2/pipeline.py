@@ -17,13 +17,15 @@ As the pipeline does:
   it is 0), so it is read back from the video states (all ones for the released folders: their connectors
   fill the padding with learned registers);
 - CFG per stream: ``guidance_scale`` on the video tokens and ``audio_guidance_scale`` on the audio tokens
-  (the pipeline's delta in x0 space is the same delta in velocity).
+  (the pipeline's delta in x0 space is the same delta in velocity), both branches run when either exceeds 1;
+- the final latents are cast to the transformer's dtype before they are de-normalised and decoded.
 
 Our sampler applies CFG only: it equals ``LTX2Pipeline`` called with ``stg_scale=0`` and ``audio_stg_scale=0``
 (no spatio-temporal guidance pass), ``modality_scale=1`` and ``audio_modality_scale=1`` (no modality-isolation
 pass) and ``guidance_rescale=0`` and ``audio_guidance_rescale=0`` (the pipeline's defaults add those two extra
-transformer passes per step and a rescale of each stream's guided prediction). No presets; no tensor, sequence
-or context parallel plan; the audio is denoised but not decoded.
+transformer passes per step and a rescale of each stream's guided prediction). Square frames only
+(``image_size``; the pipeline's default is 512 x 768). No presets; no tensor, sequence or context parallel
+plan; the audio is denoised but not decoded.
 """
 
 from __future__ import annotations
@@ -82,12 +84,19 @@ class LTX2Adapter(Backbone):
     tp_plan = None
 
     def __init__(self, transformer: torch.nn.Module, scheduler, latent_frames: int, side: int, audio_tokens: int,
-                 frame_rate: float, video_text_dim: int, audio_guidance_scale: float):
+                 frame_rate: float, video_text_dim: int, audio_guidance_scale: float | None):
         super().__init__(transformer)
         self.scheduler_class, self.scheduler_config = type(scheduler), dict(scheduler.config)
         self.latent_frames, self.side, self.audio_tokens = int(latent_frames), int(side), int(audio_tokens)
         self.frame_rate, self.video_text_dim = float(frame_rate), int(video_text_dim)
-        self.audio_guidance_scale = float(audio_guidance_scale)
+        self.audio_guidance_scale = None if audio_guidance_scale is None else float(audio_guidance_scale)
+
+    @property
+    def guides_at_unit_scale(self) -> bool:
+        """True when the audio has a guidance scale of its own other than 1: ``LTX2Pipeline`` then runs CFG
+        (on the audio) even at a video ``guidance_scale`` of 1, and so does our sampler
+        (:func:`pretrain.guidance.uses_cfg`)."""
+        return self.audio_guidance_scale not in (None, 1.0)
 
     @property
     def video_tokens(self) -> int:
@@ -100,9 +109,11 @@ class LTX2Adapter(Backbone):
         return sigma.float() * float(self.scheduler_config["num_train_timesteps"])
 
     def cfg_combine(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        """``guidance_scale`` on the video tokens, ``audio_guidance_scale`` on the audio tokens."""
+        """``guidance_scale`` on the video tokens, ``audio_guidance_scale`` on the audio tokens (None: the video's,
+        the pipeline's fallback)."""
         scale = torch.full((v_cond.shape[1], 1), float(guidance_scale), device=v_cond.device)
-        scale[self.video_tokens:] = self.audio_guidance_scale
+        if self.audio_guidance_scale is not None:
+            scale[self.video_tokens:] = self.audio_guidance_scale
         return v_cond + (scale - 1) * (v_cond - v_uncond)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
@@ -164,7 +175,7 @@ def load(path: str | Path, device: str = "cpu", options: dict | None = None):
 
     ``options``: ``image_size`` (square pixels; default the pipeline's height, 512; a multiple of 32, as the
     pipeline requires), ``num_frames`` (8k + 1; default 121), ``frame_rate`` (24),
-    ``guidance_scale`` (3.0), ``audio_guidance_scale`` (7.0), ``num_inference_steps`` (30),
+    ``guidance_scale`` (3.0), ``audio_guidance_scale`` (7.0; None: the video's), ``num_inference_steps`` (30),
     ``max_sequence_length`` (1024), ``dtype`` ("float32", "bfloat16", "float16": the transformer, text encoder
     and connectors; the VAEs stay float32). Raises ``ValueError`` naming the key for an unknown option, a bad
     size, frame count or dtype, an unsupported scheduler or patching, or audio and video widths that differ."""
@@ -188,7 +199,7 @@ def load(path: str | Path, device: str = "cpu", options: dict | None = None):
     frame_rate = float(options.get("frame_rate", defaults["frame_rate"]))
     num_frames = int(options.get("num_frames", NUM_FRAMES))
     audio_tokens, audio_width = audio_geometry(pipe, num_frames, frame_rate)
-    codec = LTX2Codec(pipe.vae, num_frames, audio_tokens, audio_width)
+    codec = LTX2Codec(pipe.vae, num_frames, audio_tokens, audio_width, DTYPES[dtype])
     side = size // codec.downsample
     ltx2_sigmas(type(pipe.scheduler), dict(pipe.scheduler.config), codec.video_tokens(size, size), 2)  # refuses early
     text_pipe = LTX2Pipeline(scheduler=pipe.scheduler, vae=None, audio_vae=None, transformer=None, vocoder=None,
@@ -198,6 +209,6 @@ def load(path: str | Path, device: str = "cpu", options: dict | None = None):
     encoder = LTX2PromptEncoder(text_pipe, path, length, dtype, device)
     audio_scale = options.get("audio_guidance_scale", defaults["audio_guidance_scale"])
     model = LTX2Adapter(transformer, pipe.scheduler, codec.latent_frames, side, audio_tokens, frame_rate,
-                        encoder.video_dim, float(audio_scale))
+                        encoder.video_dim, audio_scale)
     meta = family_meta("ltx2", PIPELINE, COMPONENT, path, size, options, defaults)
     return model, encoder, codec, meta
