@@ -24,7 +24,8 @@ class LTX2Codec:
     default) and mapped from [-1, 1] as its ``VideoProcessor`` does; as the pipeline, the latents are cast to
     ``latent_dtype`` (its text embeddings' dtype, the load ``dtype``) before they are de-normalised.
     ``num_frames``: F, ``8k + 1`` for the released VAE (``ValueError`` otherwise); ``audio_tokens``: S_a.
-    Encoding is refused: a video has no audio track to put in the state's audio part (rollout-based training only)."""
+    Encoding is refused (``ValueError``): a video has no audio track to put in the state's audio part, so only
+    methods that train on the rollout's own states apply (not DPO or a pre-training loss, which encode videos)."""
 
     def __init__(self, vae: torch.nn.Module, num_frames: int, audio_tokens: int, audio_width: int,
                  latent_dtype: torch.dtype = torch.float32):
@@ -49,7 +50,8 @@ class LTX2Codec:
 
     def encode(self, videos: torch.Tensor) -> torch.Tensor:
         raise ValueError("LTX-2 codec: a video has no audio track for the state's audio tokens, so videos are not "
-                         "encoded; train LTX-2 with rollout-based methods (GRPO, online DPO)")
+                         "encoded; train LTX-2 with methods that train on the rollout's own states (GRPO), not DPO "
+                         "or a pre-training loss")
 
     @torch.no_grad()
     def decode(self, state: torch.Tensor) -> torch.Tensor:
