@@ -33,12 +33,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pretrain.backbone import Backbone
 from pretrain.models.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
                                       family_meta, text_mask)
+from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.models.ltx2.codec import LTX2Codec
 from pretrain.text_encoder import PromptEmbeds
 
@@ -52,24 +52,25 @@ LTX2_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 NUM_FRAMES = 121  # LTX2Pipeline's fixed frame count for folders without a duration head
 
 
-def ltx2_sigmas(scheduler_class, config: dict, video_tokens: int, num_inference_steps: int,
-                shift: float | None = None) -> torch.Tensor:
-    """The sigmas ``LTX2Pipeline`` walks, float32 ``[n + 1]`` ending in 0: ``linspace(1, 1 / n, n)`` set on a
-    fresh scheduler from ``config`` (``shift`` replacing its shift when not None) with ``mu`` from
-    ``video_tokens``. ``ValueError`` for another scheduler or ``n < 1``."""
+def ltx2_mu(config: dict, video_tokens: int, num_inference_steps: int) -> float:
+    """``LTX2Pipeline``'s dynamic shift: ``calculate_shift`` of the video token count between the scheduler
+    config's base and max lengths (its defaults 1024 / 4096, 0.95 / 2.05; ``num_inference_steps`` unused)."""
     from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
+    return calculate_shift(video_tokens, config.get("base_image_seq_len", 1024), config.get("max_image_seq_len", 4096),
+                           config.get("base_shift", 0.95), config.get("max_shift", 2.05))
+
+
+def ltx2_sigmas(scheduler_class, config: dict, video_tokens: int, num_inference_steps: int,
+                shift: float | None = None) -> torch.Tensor:
+    """The sigmas ``LTX2Pipeline`` walks, float32 ``[n + 1]`` ending in 0: the FLUX-style schedule
+    (:func:`pretrain.models.flow_schedule.dynamic_shift_sigmas`, ``linspace(1, 1 / n, n)``) with ``mu`` from
+    ``video_tokens`` (:func:`ltx2_mu`); a not-None ``shift`` replaces the dynamic shift. ``ValueError`` for
+    another scheduler or ``n < 1``."""
     if scheduler_class.__name__ != "FlowMatchEulerDiscreteScheduler":
         raise ValueError(f"LTX-2 scheduler '{scheduler_class.__name__}' is not supported "
                          f"(FlowMatchEulerDiscreteScheduler)")
-    if num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-    scheduler = scheduler_class.from_config({**config, **({} if shift is None else {"shift": float(shift)})})
-    mu = calculate_shift(video_tokens, config.get("base_image_seq_len", 1024), config.get("max_image_seq_len", 4096),
-                         config.get("base_shift", 0.95), config.get("max_shift", 2.05))
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_inference_steps, num_inference_steps), mu=mu,
-                            device="cpu")
-    return scheduler.sigmas.to(torch.float32).clone()
+    return dynamic_shift_sigmas(scheduler_class, config, video_tokens, num_inference_steps, shift, mu_of=ltx2_mu)
 
 
 class LTX2Adapter(Backbone):
