@@ -106,7 +106,7 @@ def _reward_params(path: str | None) -> dict:
 
 
 def _eval(args) -> int:
-    from posttrain.eval.evaluate import EvalConfig, evaluate
+    from posttrain.eval.evaluate import EvalConfig, eval_data, evaluate
     from pretrain.runtime.runtime import resolve_device
 
     from pretrain.config import ConfigError, validate
@@ -117,10 +117,11 @@ def _eval(args) -> int:
                          num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
                          reward_params=_reward_params(args.reward_params))
         validate(cfg, "--")
+        data = eval_data(args.models[0], args.data)
     except ValueError as e:
         raise ConfigError(f"command line: {e}") from e
     out = args.out or str(Path(args.models[-1]).parent / "eval")
-    print(evaluate(args.models, cfg, out, device=resolve_device(args.device))["table"])
+    print(evaluate(args.models, cfg, out, device=resolve_device(args.device), data=data)["table"])
     return 0
 
 
@@ -241,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--guidance-scale", type=float, default=4.0)
     ev.add_argument("--reward-params", default=None,
                     help="a YAML file {NAME: {param: value}} of reward parameters (a judge's base_url, seed, ...)")
+    ev.add_argument("--data", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="overrides of the first model's recorded data config, e.g. heldout_per_category=256")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--out", default=None)
     ev.set_defaults(func=_eval)

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from pretrain.codec import decode_conditions
-from pretrain.config import require_positive
+from pretrain.config import load_section, require_positive
 
 from pretrain.data.dataset import DataConfig, attach_codec, build_datasets
 from pretrain.evaluation import heldout_loss
-from pretrain.export import load_exported
+from pretrain.export import META, load_exported
 from pretrain.objective import FlowConfig
 from pretrain.sampling import initial_noise, sample_latents, save_grid
 from rewards.base import build_reward, check_reward_weights, groupwise_rewards
@@ -182,6 +182,26 @@ def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
 
 
 @torch.no_grad()
+def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
+    """The data config recorded in export ``model``'s ``posttrain.json`` with ``overrides`` (``KEY=VALUE``
+    items, values read as YAML) applied, e.g. ``heldout_per_category=256`` to evaluate on more of the
+    held-out edits or compositions of a shapes set than pretraining listed (its training rows do not depend
+    on it: :func:`pretrain.data.dataset.load_shapes_edit`). None without overrides (each model's own data).
+    ``ValueError`` naming ``--data`` and the item or field for a malformed item or an unknown field."""
+    if not overrides:
+        return None
+    import yaml
+
+    meta = json.loads((Path(model) / META).read_text())
+    values = dict(meta.get("data", {}))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--data: '{item}' must look like key=value (e.g. heldout_per_category=256)")
+        values[key.strip()] = yaml.safe_load(raw)
+    return load_section(DataConfig, values, "--data")
+
+
 def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cpu",
              data: DataConfig | None = None) -> dict:
     """Evaluate export folders ``models`` on ``data`` (default: the data the first model was trained on,
@@ -242,7 +262,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
                              if callable(getattr(fn, "categories", None))}
     results["settings"] = {"sampler": "ODE", "num_inference_steps": cfg.num_inference_steps,
                            "guidance_scale": cfg.guidance_scale, "seed": cfg.seed,
-                           "samples_per_prompt": cfg.samples_per_prompt, "prompts": cfg.prompts}
+                           "samples_per_prompt": cfg.samples_per_prompt, "prompts": cfg.prompts,
+                           **({"data": asdict(data)} if data is not None else {})}  # given, not each export's
     results["table"] = report_table(results)
     (out_dir / "report.md").write_text(results["table"] + "\n")
     grid_n = min(cfg.grid_prompts, len(prompts))
@@ -299,5 +320,9 @@ def report_table(results: dict) -> str:
         lines.append(f"sampling: {s['sampler']}, {s['num_inference_steps']} steps, guidance {s['guidance_scale']}, "
                      f"seed {s['seed']} (sample j of prompt i: noise j * P + i), {s['samples_per_prompt']} "
                      f"sample(s) per prompt, prompts from {s['prompts']}")
+        if "data" in s:
+            d = s["data"]
+            lines.append(f"data: given (--data; eval.json has it whole): source {d['source']}, heldout_fraction "
+                         f"{d['heldout_fraction']}, heldout_per_category {d['heldout_per_category']}")
     lines += [f"grid model {i}: {g}" for i, g in enumerate(results["grids"])]
     return "\n".join(lines)

@@ -43,7 +43,8 @@ def test_pretrain_grpo_and_eval_on_the_editing_task(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(export), str(run / "grpo" / "export"), "--rewards", "shapes_edit_strict", "shapes_edit",
                  "shapes_edit_preserved",
-                 "--prompts", "heldout", "--num-prompts", "4", "--steps", "3", "--out", str(run / "eval")]) == 0
+                 "--prompts", "heldout", "--num-prompts", "6", "--steps", "3", "--out", str(run / "eval"),
+                 "--data", "heldout_per_category=3"]) == 0  # one more held-out edit per kind than pretraining listed
     table = (run / "eval" / "report.md").read_text()
-    assert "| shapes_edit_strict: colour (2 prompts) |" in table and "| shapes_edit: shape (2 prompts) |" in table
+    assert "| shapes_edit_strict: colour (3 prompts) |" in table and "| shapes_edit: shape (3 prompts) |" in table
     assert "| shapes_edit_preserved (mean) |" in table

@@ -155,3 +155,32 @@ def test_the_stand_in_scores_an_edit_against_its_target_caption(tmp_path):
     assert not torch.allclose(got, plain.score(images, [e.prompt] * 2))
     got.sum().backward()
     assert images.grad is not None and images.grad.abs().sum() > 0
+
+
+def test_eval_draws_more_held_out_edits_without_changing_training(tmp_path):
+    """``posttrain eval --data heldout_per_category=N`` (:func:`posttrain.eval.evaluate.eval_data`): the
+    export's recorded data with the item applied; the longer held-out list keeps the shorter one's edits of
+    each kind first, every edit in it is held out, and the training rows are the same edits and images."""
+    import json
+
+    import torch
+
+    from posttrain.eval.evaluate import eval_data
+    from pretrain.data.dataset import load_shapes_edit
+
+    recorded = dict(source="shapes_edit", scenes=48, heldout_per_category=4, heldout_fraction=0.25, size=32,
+                    layout="reading", cache_dir=str(tmp_path))
+    (tmp_path / "posttrain.json").write_text(json.dumps({"data": recorded}))
+    assert eval_data(tmp_path, []) is None
+    small, big = eval_data(tmp_path, ["scenes=48"]), eval_data(tmp_path, ["heldout_per_category=12"])
+    assert (small.heldout_per_category, big.heldout_per_category, big.scenes) == (4, 12, 48)
+    a, b = load_shapes_edit(small), load_shapes_edit(big)
+    held = lambda d, op: [c for c, h in zip(d["captions"], d["heldout"]) if h and edit_for_prompt(c).op == op]
+    for op in shapes.EDIT_OPS:
+        assert held(b, op)[:4] == held(a, op) and len(held(b, op)) == 12
+        assert all(is_novel_edit(edit_for_prompt(c), 0.25) for c in held(b, op))
+    assert a["captions"][:48] == b["captions"][:48] and torch.equal(a["images"][:48], b["images"][:48])
+    with pytest.raises(ValueError, match="--data.heldout_per_categry"):
+        eval_data(tmp_path, ["heldout_per_categry=8"])
+    with pytest.raises(ValueError, match="must look like key=value"):
+        eval_data(tmp_path, ["heldout_per_category"])
