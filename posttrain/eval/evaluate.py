@@ -183,17 +183,18 @@ def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
 
 @torch.no_grad()
 def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
-    """The data config recorded in export ``model``'s ``posttrain.json`` with ``overrides`` (``KEY=VALUE``
-    items, values read as YAML) applied, e.g. ``heldout_per_category=256`` to evaluate on more of the
-    held-out edits or compositions of a shapes set than pretraining listed (its training rows do not depend
-    on it: :func:`pretrain.data.dataset.load_shapes_edit`). None without overrides (each model's own data).
+    """The data config recorded in export ``model``'s ``posttrain.json`` (the defaults where it records
+    none) with ``overrides`` (``KEY=VALUE`` items, values read as YAML) applied, e.g.
+    ``heldout_per_category=256`` to evaluate on more of the held-out edits or compositions of a shapes set
+    than pretraining listed (its training rows do not depend on it: :func:`pretrain.data.dataset.load_shapes`,
+    :func:`pretrain.data.dataset.load_shapes_edit`). None without overrides (each model's own data).
     ``ValueError`` naming ``--data`` and the item or field for a malformed item or an unknown field."""
     if not overrides:
         return None
     import yaml
 
-    meta = json.loads((Path(model) / META).read_text())
-    values = dict(meta.get("data", {}))
+    recorded = Path(model) / META  # a diffusers pipeline folder records none: the defaults, as evaluate's
+    values = dict(json.loads(recorded.read_text()).get("data", {})) if recorded.is_file() else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
