@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--max-inflight", type=_positive, default=2,
                     help="requests decoded and scored at once (default %(default)s)")
     sr.set_defaults(func=_serve_reward)
-    rp = sub.add_parser("report", help="report.md with PNG curves of every stage, the evaluation and its grids side by side")
+    rp = sub.add_parser("report", help="report.md with PNG curves of every stage, the evaluation and its grids "
+                        "side by side")
     rp.add_argument("run_dir", help="a pipeline run folder (stage subfolders, eval/) or one stage's folder")
     rp.set_defaults(func=_report)
     from pretrain.parallel.doctor_report import add_arguments as doctor_arguments

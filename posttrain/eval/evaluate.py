@@ -137,7 +137,8 @@ def paired_samples(model, codec, embeds, null, cfg: EvalConfig, *, image_size: i
     global index j * P + i, so every model evaluated with ``cfg`` sees the same initial noise."""
     k, p = cfg.samples_per_prompt, embeds.tokens.shape[0]
     images = []
-    bar = tqdm(total=k * p, desc="sampling", unit="img", leave=False, dynamic_ncols=True, disable=k * p <= cfg.batch_size)
+    bar = tqdm(total=k * p, desc="sampling", unit="img", leave=False, dynamic_ncols=True,
+               disable=k * p <= cfg.batch_size)
     for j in range(k):
         noise = initial_noise(p * (j + 1), codec.latent_shape(image_size, image_size), cfg.seed, device=device)[j * p:]
         for s in range(0, p, cfg.batch_size):

@@ -19,7 +19,8 @@ DATA = ["data.scenes=64", "data.heldout_per_category=2"]
 def test_pretrain_grpo_and_eval_on_the_editing_task(tmp_path, capsys):
     run = tmp_path / "edit"
     assert main(["pretrain", str(ROOT / "configs/pretrain/shapes_edit_small.yaml"), f"run_dir={run}",
-                 "model.preset=tiny", "train.steps=2", "train.batch_size=8", "eval.every=2", "eval.heldout_samples=4", "eval.grid_every=2",
+                 "model.preset=tiny", "train.steps=2", "train.batch_size=8", "eval.every=2", "eval.heldout_samples=4",
+                 "eval.grid_every=2",
                  "checkpoint.every=2", "train.threads=1", *DATA]) == 0
     export = run / "pretrain" / "export"
     assert json.loads((export / "config.json").read_text())["in_channels"] == 6
