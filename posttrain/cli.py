@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--guidance-scale", type=float, default=4.0)
     ev.add_argument("--reward-params", default=None,
                     help="a YAML file {NAME: {param: value}} of reward parameters (a judge's base_url, seed, ...)")
-    ev.add_argument("--data", nargs="+", default=[], metavar="KEY=VALUE",
+    ev.add_argument("--data", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="overrides of the first model's recorded data config, e.g. heldout_per_category=256")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--out", default=None)

@@ -182,7 +182,6 @@ def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
     return [pool[i] for i in spread_indices(len(pool), cfg.num_prompts)]
 
 
-@torch.no_grad()
 def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
     """The data config recorded in export ``model``'s ``posttrain.json`` (the defaults where it records
     none) with ``overrides`` (``KEY=VALUE`` items, values read as YAML) applied, e.g.
@@ -195,15 +194,25 @@ def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
     import yaml
 
     recorded = Path(model) / META  # a diffusers pipeline folder records none: the defaults, as evaluate's
-    values = dict(json.loads(recorded.read_text()).get("data", {})) if recorded.is_file() else {}
+    try:
+        values = dict(json.loads(recorded.read_text()).get("data", {})) if recorded.is_file() else {}
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"--data: cannot read the data config recorded in '{recorded}': {e}") from e
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ValueError(f"--data: '{item}' must look like key=value (e.g. heldout_per_category=256)")
-        values[key.strip()] = yaml.safe_load(raw)
+        if key == "size":
+            raise ValueError(f"--data: '{item}': each model samples at its export's image size; size cannot be set")
+        try:
+            values[key] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--data: '{item}': the value is not YAML: {str(e).splitlines()[0]}") from e
     return load_section(DataConfig, values, "--data")
 
 
+@torch.no_grad()
 def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cpu",
              data: DataConfig | None = None) -> dict:
     """Evaluate export folders ``models`` on ``data`` (default: the data the first model was trained on,
@@ -265,7 +274,7 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     results["settings"] = {"sampler": "ODE", "num_inference_steps": cfg.num_inference_steps,
                            "guidance_scale": cfg.guidance_scale, "seed": cfg.seed,
                            "samples_per_prompt": cfg.samples_per_prompt, "prompts": cfg.prompts,
-                           **({"data": asdict(data)} if data is not None else {})}  # given, not each export's
+                           **({"data": asdict(data)} if data is not None else {})}  # the caller's
     results["table"] = report_table(results)
     (out_dir / "report.md").write_text(results["table"] + "\n")
     grid_n = min(cfg.grid_prompts, len(prompts))
@@ -324,7 +333,8 @@ def report_table(results: dict) -> str:
                      f"sample(s) per prompt, prompts from {s['prompts']}")
         if "data" in s:
             d = s["data"]
-            lines.append(f"data: given (--data; eval.json has it whole): source {d['source']}, heldout_fraction "
-                         f"{d['heldout_fraction']}, heldout_per_category {d['heldout_per_category']}")
+            lines.append(f"data (set by the caller: --data or a pipeline's first stage; eval.json has it whole): "
+                         f"source {d['source']}, heldout_fraction {d['heldout_fraction']}, heldout_per_category "
+                         f"{d['heldout_per_category']}")
     lines += [f"grid model {i}: {g}" for i, g in enumerate(results["grids"])]
     return "\n".join(lines)

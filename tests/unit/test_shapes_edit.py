@@ -173,7 +173,7 @@ def test_eval_draws_more_held_out_edits_without_changing_training(tmp_path):
     (tmp_path / "posttrain.json").write_text(json.dumps({"data": recorded}))
     assert eval_data(tmp_path, []) is None
     from pretrain.data.dataset import DataConfig  # a folder that records no data config: the defaults
-    assert eval_data(tmp_path / "pipeline", ["size=16"]) == DataConfig(size=16)
+    assert eval_data(tmp_path / "pipeline", ["scenes=16"]) == DataConfig(scenes=16)
     small, big = eval_data(tmp_path, ["scenes=48"]), eval_data(tmp_path, ["heldout_per_category=12"])
     assert (small.heldout_per_category, big.heldout_per_category, big.scenes) == (4, 12, 48)
     a, b = load_shapes_edit(small), load_shapes_edit(big)
@@ -186,3 +186,25 @@ def test_eval_draws_more_held_out_edits_without_changing_training(tmp_path):
         eval_data(tmp_path, ["heldout_per_categry=8"])
     with pytest.raises(ValueError, match="must look like key=value"):
         eval_data(tmp_path, ["heldout_per_category"])
+    with pytest.raises(ValueError, match="'layout=\\[': the value is not YAML"):
+        eval_data(tmp_path, ["layout=["])
+    with pytest.raises(ValueError, match="size cannot be set"):  # each model samples at its own size
+        eval_data(tmp_path, ["size=64"])
+
+
+def test_the_evaluation_runs_without_autograd(tmp_path, monkeypatch):
+    """``evaluate`` loads, samples and scores with gradients off (an export's parameters require grad)."""
+    import torch
+
+    from posttrain.eval import evaluate as ev
+
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ev, "load_exported", load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        ev.evaluate([str(tmp_path)], ev.EvalConfig(rewards=["shapes_edit_strict"]), tmp_path / "eval")
+    assert seen == [False] and torch.is_grad_enabled()
