@@ -166,14 +166,13 @@ def test_eval_draws_more_held_out_edits_without_changing_training(tmp_path):
     import torch
 
     from posttrain.eval.evaluate import eval_data
-    from pretrain.data.dataset import load_shapes_edit
+    from pretrain.data.dataset import DataConfig, load_shapes_edit
 
     recorded = dict(source="shapes_edit", scenes=48, heldout_per_category=4, heldout_fraction=0.25, size=32,
                     layout="reading", cache_dir=str(tmp_path))
     (tmp_path / "posttrain.json").write_text(json.dumps({"data": recorded}))
     assert eval_data(tmp_path, []) is None
-    from pretrain.data.dataset import DataConfig  # a folder that records no data config: the defaults
-    assert eval_data(tmp_path / "pipeline", ["scenes=16"]) == DataConfig(scenes=16)
+    assert eval_data(tmp_path / "pipeline", ["scenes=16"]) == DataConfig(scenes=16)  # records none: the defaults
     small, big = eval_data(tmp_path, ["scenes=48"]), eval_data(tmp_path, ["heldout_per_category=12"])
     assert (small.heldout_per_category, big.heldout_per_category, big.scenes) == (4, 12, 48)
     a, b = load_shapes_edit(small), load_shapes_edit(big)
