@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pretrain.data.dataset import DataConfig, load_openmoji
+from pretrain.data.builtin import load_openmoji
+from pretrain.data.dataset import DataConfig
 from pretrain.data.shards import write_tar_shards
 
 
@@ -127,7 +128,7 @@ def video_set(folder: Path, n: int = 96, per_shard: int = 24, size: int = 16, fr
     """``n`` moving-emoji clips (``frames`` frames at ``size`` px, 10 fps) as mp4 members of tar shards."""
     import webdataset as wds
 
-    from pretrain.data.dataset import load_moving_emoji
+    from pretrain.data.builtin import load_moving_emoji
 
     raw = load_moving_emoji(DataConfig(source="moving_emoji", size=size, frames=frames))
     folder.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from posttrain.dpo.data import PairSet, load_preference_pairs, online_pairs
-from pretrain.data.dataset import EpochSampler
+from pretrain.data.sampler import EpochSampler
 from pretrain.registry import Registry
 
 if TYPE_CHECKING:

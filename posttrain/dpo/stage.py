@@ -28,7 +28,8 @@ from posttrain.base.stage_config import StageConfig
 from posttrain.dpo.sources import PAIR_SOURCES
 from posttrain.dpo.step import dpo_step
 from pretrain.config import require_positive
-from pretrain.data.dataset import EpochSampler, require_in_memory
+from pretrain.data.dataset import require_in_memory
+from pretrain.data.sampler import EpochSampler
 from pretrain.models import count_parameters
 from pretrain.objective import FlowConfig
 from pretrain.runtime.loop import run_stage

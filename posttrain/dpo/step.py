@@ -13,7 +13,7 @@ from posttrain.base.stage import StageRanks
 from posttrain.dpo.data import PairSet
 from posttrain.dpo.errors import flow_residuals
 from posttrain.objectives.dpo_loss import diffusion_dpo_loss, dpo_inside_term, scale_gradient, winner_preserving_scale
-from pretrain.data.dataset import EpochSampler
+from pretrain.data.sampler import EpochSampler
 from pretrain.guidance import drop_condition
 from pretrain.objective import draw_training_noise, objective_sigmas
 from pretrain.runtime.accumulate import Accumulation

@@ -186,8 +186,8 @@ def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
     """The data config recorded in export ``model``'s ``posttrain.json`` (the defaults where it records
     none) with ``overrides`` (``KEY=VALUE`` items, values read as YAML) applied, e.g.
     ``heldout_per_category=256`` to evaluate on more of the held-out edits or compositions of a shapes set
-    than pretraining listed (its training rows do not depend on it: :func:`pretrain.data.dataset.load_shapes`,
-    :func:`pretrain.data.dataset.load_shapes_edit`). None without overrides (each model's own data).
+    than pretraining listed (its training rows do not depend on it: :func:`pretrain.data.builtin.load_shapes`,
+    :func:`pretrain.data.builtin.load_shapes_edit`). None without overrides (each model's own data).
     ``ValueError`` naming ``--data`` and the item or field for a malformed item or an unknown field."""
     if not overrides:
         return None

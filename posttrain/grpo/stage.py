@@ -30,7 +30,8 @@ from posttrain.base.run import PolicyRun
 from posttrain.base.stage import PolicyStage
 from posttrain.base.signal_guard import SignalGuard, nonfinite_counts
 from posttrain.base.stage_config import StageConfig
-from pretrain.data.dataset import EpochSampler, require_in_memory
+from pretrain.data.dataset import require_in_memory
+from pretrain.data.sampler import EpochSampler
 from pretrain.models import count_parameters
 from pretrain.runtime.profiling import peak_rss_mb
 from pretrain.seeding import generator_for

@@ -34,7 +34,8 @@ from posttrain.base.stage_config import StageConfig
 from posttrain.objectives.adjoint_matching import adjoint_matching
 from posttrain.objectives.reward_gradient import Chain, alignprop, draft_k, draft_lv, refl
 from pretrain.config import require_positive
-from pretrain.data.dataset import EpochSampler, require_in_memory
+from pretrain.data.dataset import require_in_memory
+from pretrain.data.sampler import EpochSampler
 from pretrain.guidance import guided_velocity
 from pretrain.registry import Registry
 from pretrain.runtime.accumulate import Accumulation

@@ -1,38 +1,26 @@
-"""Encoded image-text sets, their on-disk cache and a resumable batch sampler.
-
-Caches are safetensors files (tensors, plus JSON metadata such as caption lists in the file's metadata),
-never pickles: a cache folder shared with others cannot run code when read.
+"""Encoded image-text sets: the data config, the train / held-out split of every source and the caption
+embeddings (cached in :mod:`pretrain.data.disk_cache`; the rendered sources are :mod:`pretrain.data.builtin`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from pretrain.codec import encode_conditions
 from pretrain.data import emoji as emoji_data
-from pretrain.data import moving_emoji
 from pretrain.data import shapes
+from pretrain.data.builtin import load_moving_emoji, load_openmoji, load_shapes, load_shapes_edit
+from pretrain.data.disk_cache import cache_dir, cache_file, read_cache, write_cache
 from pretrain.data.folder import DatasetError, load_image_folder
 from pretrain.data.prompts import LazyEmbeds, blank_images, load_prompts
-from pretrain.seeding import generator_for
 from pretrain.text_encoder import PromptEmbeds
 
-log = logging.getLogger(__name__)
-
 SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shapes_edit", "shards", "latent_cache")
-CACHE_FORMAT = "v2"  # in every cache file's name: v1 files were pickles (torch.save) and are never read
 
 
 @dataclass
@@ -221,117 +209,15 @@ def source_of_folder(path: str | Path) -> str:
     return "folder"
 
 
-def cache_dir(cfg: DataConfig) -> Path:
-    d = Path(cfg.cache_dir or os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _cache_file(cfg: DataConfig, key: str) -> Path:
-    return cache_dir(cfg) / f"{key}.{CACHE_FORMAT}.safetensors"
-
-
-def _read_cache(path: Path, tensors: tuple[str, ...], meta: tuple[str, ...]) -> dict | None:
-    """The tensors ``tensors`` and the metadata lists ``meta`` stored in ``path`` by :func:`_write_cache`
-    as one dict, or None (to rebuild) when the file is absent or unreadable (a warning then names it).
-    A pickle left by an older version (same key, ``.pt``) is never read; a line says it is rebuilt."""
-    if not path.is_file():
-        old = path.with_name(path.name.removesuffix(f".{CACHE_FORMAT}.safetensors") + ".pt")
-        if old.is_file():
-            log.info("%s: old pickle cache, not loaded (a pickle can run code); rebuilding as %s", old, path.name)
-        return None
-    try:
-        with safe_open(path, "pt") as f:
-            out = {k: f.get_tensor(k) for k in tensors}
-            stored = json.loads((f.metadata() or {})["meta"])
-        out |= {k: list(stored[k]) for k in meta}
-    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as e:
-        log.warning("%s: unreadable cache (%s: %s); rebuilding it", path, type(e).__name__, e)
-        return None
-    return out
-
-
-def _write_cache(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, list]) -> None:
-    """Write ``tensors`` and the JSON-able ``meta`` to ``path`` (safetensors; atomically)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
-    os.replace(tmp, path)
-
-
-def load_openmoji(cfg: DataConfig) -> dict:
-    """Rendered OpenMoji set (cached by package versions and resolution): dict with ``images`` uint8
-    ``[N, 3, S, S]``, ``captions``, ``bases``, ``codepoints``, ``unnamed``. Raises ``DatasetError``
-    if any rendered emoji is blank."""
-    path = _cache_file(cfg, emoji_data.emoji_cache_key(cfg.size))
-    cached = _read_cache(path, ("images",), ("captions", "bases", "codepoints", "unnamed"))
-    if cached is not None:
-        return cached
-    records, unnamed = emoji_data.list_emoji()
-    images = emoji_data.render_emoji([r.text for r in records], cfg.size)
-    blank = emoji_data.blank_mask(images)
-    if blank.any():
-        names = [records[i].codepoints for i in blank.nonzero().flatten().tolist()]
-        raise DatasetError(f"openmoji: {len(names)} emoji rendered blank, first: {names[:5]}")
-    log.info("openmoji: %d named emoji rendered at %d px; %d unnamed left out (first: %s)",
-             len(records), cfg.size, len(unnamed), unnamed[:5])
-    meta = dict(captions=[r.caption for r in records], bases=[r.base for r in records],
-                codepoints=[r.codepoints for r in records], unnamed=unnamed)
-    _write_cache(path, {"images": images}, meta)
-    return dict(images=images, **meta)
-
-
-def load_moving_emoji(cfg: DataConfig) -> dict:
-    """The moving-emoji video set (cached by package versions, resolution, frames and motions): dict
-    with ``images`` uint8 ``[N, F, 3, S, S]``, ``captions`` and ``bases`` (the held-out split key)."""
-    key = f"moving_{emoji_data.emoji_cache_key(cfg.size)}_f{cfg.frames}_m{cfg.motions_per_emoji}"
-    path = _cache_file(cfg, key)
-    cached = _read_cache(path, ("images",), ("captions", "bases"))
-    if cached is not None:
-        return cached
-    records, _ = emoji_data.list_emoji()
-    videos, captions, bases = moving_emoji.build_clips([r.text for r in records], [r.caption for r in records],
-                                                       [r.base for r in records], cfg.frames, cfg.size,
-                                                       cfg.motions_per_emoji)
-    _write_cache(path, {"images": videos}, dict(captions=captions, bases=bases))
-    return dict(images=videos, captions=captions, bases=bases)
-
-
-def load_shapes(cfg: DataConfig) -> dict:
-    """The shapes set (cached by grammar version, resolution, scene count, held-out share and layout): dict with
-    ``images`` uint8 ``[N, 3, S, S]``, ``captions`` and ``heldout`` (0/1 per row). Train rows are
-    ``cfg.scenes`` renders of specs drawn by category (:func:`pretrain.data.shapes.draw_specs`, seed 0); held-out
-    rows are one render each of :func:`pretrain.data.shapes.heldout_specs` with seeds the train rows never use."""
-    key = (f"shapes-{shapes.VERSION}_{cfg.size}px_n{cfg.scenes}_h{cfg.heldout_per_category}_f{cfg.heldout_fraction:g}"
-           + ("" if cfg.layout == "random" else f"_{cfg.layout}"))
-    path = _cache_file(cfg, key)
-    cached = _read_cache(path, ("images", "heldout"), ("captions",))
-    if cached is not None:
-        return cached
-    seen, novel = shapes.split_specs(cfg.heldout_fraction)
-    train = shapes.draw_specs(seen, cfg.scenes, seed=0)
-    held = shapes.heldout_specs(novel, seen, cfg.heldout_per_category)
-    specs_seeds = [(s, i) for i, s in enumerate(train)] + [(s, 1_000_000_000 + i) for i, s in enumerate(held)]
-    images = torch.from_numpy(np.stack([
-        shapes.render_spec(s, cfg.size, seed, cfg.layout)[0]
-        for s, seed in tqdm(specs_seeds, desc=f"rendering {len(specs_seeds)} shape scenes", leave=False,
-                            disable=len(specs_seeds) < 1024, dynamic_ncols=True)]))
-    heldout = torch.tensor([0] * len(train) + [1] * len(held), dtype=torch.uint8)
-    meta = dict(captions=[s.caption for s, _ in specs_seeds])
-    _write_cache(path, {"images": images, "heldout": heldout}, meta)
-    log.info("shapes: %d train scenes of %d specs, %d held-out prompts (%d novel specs) at %d px",
-             len(train), len(seen), len(held), len(novel), cfg.size)
-    return dict(images=images, heldout=heldout, **meta)
-
-
 def encode_captions(encoder, captions: list[str], cfg: DataConfig) -> PromptEmbeds:
     """Caption embeddings, cached by encoder key and a hash of the caption list."""
     digest = hashlib.sha256("\n".join(captions).encode()).hexdigest()[:16]
-    path = _cache_file(cfg, f"embeds_{encoder.cache_key}_{digest}")
-    cached = _read_cache(path, ("tokens", "pooled"), ())
+    path = cache_file(cfg, f"embeds_{encoder.cache_key}_{digest}")
+    cached = read_cache(path, ("tokens", "pooled"), ())
     if cached is not None:
         return PromptEmbeds(cached["tokens"].float(), cached["pooled"].float())
     e = encoder.encode(captions)
-    _write_cache(path, {"tokens": e.tokens, "pooled": e.pooled}, {})
+    write_cache(path, {"tokens": e.tokens, "pooled": e.pooled}, {})
     return e
 
 
@@ -417,41 +303,6 @@ def shape_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     return out[0], out[1]
 
 
-def load_shapes_edit(cfg: DataConfig) -> dict:
-    """The shapes editing set (cached like :func:`load_shapes`): dict with ``images`` (targets) and
-    ``conditions`` (sources) uint8 ``[N, 3, S, S]``, ``captions`` (edit prompts) and ``heldout`` (0/1 per
-    row). Train rows: ``cfg.scenes`` edits drawn from those not held out (seed 0); held-out rows:
-    ``heldout_per_category`` edits of each kind (colour, shape) from the ``heldout_fraction`` held out
-    (:func:`pretrain.data.shapes.is_novel_edit`), with seeds the train rows never use."""
-    key = (f"shapes-edit-{shapes.VERSION}_{cfg.size}px_n{cfg.scenes}_h{cfg.heldout_per_category}"
-           f"_f{cfg.heldout_fraction:g}_{cfg.layout}")
-    path = _cache_file(cfg, key)
-    cached = _read_cache(path, ("images", "conditions", "heldout"), ("captions",))
-    if cached is not None:
-        return cached
-    edits = shapes.all_edits()
-    novel = [e for e in edits if shapes.is_novel_edit(e, cfg.heldout_fraction)]
-    seen = [e for e in edits if not shapes.is_novel_edit(e, cfg.heldout_fraction)]
-    rng = np.random.default_rng([0, 13])
-    train = [seen[int(i)] for i in rng.integers(len(seen), size=cfg.scenes)]
-    held = []
-    for op in shapes.EDIT_OPS:
-        pool = [e for e in novel if e.op == op]
-        held += [pool[int(i)] for i in np.random.default_rng([1, 13]).permutation(len(pool))[:cfg.heldout_per_category]]
-    rows = [(e, i) for i, e in enumerate(train)] + [(e, 1_000_000_000 + i) for i, e in enumerate(held)]
-    pairs = [shapes.render_edit(e, cfg.size, seed, cfg.layout)[:2]
-             for e, seed in tqdm(rows, desc=f"rendering {len(rows)} shape edits", leave=False,
-                                 disable=len(rows) < 1024, dynamic_ncols=True)]
-    conditions = torch.from_numpy(np.stack([p[0] for p in pairs]))
-    images = torch.from_numpy(np.stack([p[1] for p in pairs]))
-    heldout = torch.tensor([0] * len(train) + [1] * len(held), dtype=torch.uint8)
-    meta = dict(captions=[e.prompt for e, _ in rows])
-    _write_cache(path, {"images": images, "conditions": conditions, "heldout": heldout}, meta)
-    log.info("shapes_edit: %d train edits, %d held-out edits (of %d held out) at %d px", len(train), len(held),
-             len(novel), cfg.size)
-    return dict(images=images, conditions=conditions, heldout=heldout, **meta)
-
-
 def shape_edit_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     """Train and held-out sets of the shapes editing source (:func:`load_shapes_edit`): targets as the
     images, edit prompts as the captions, sources as the conditioning images; ``limit`` as for shapes."""
@@ -483,35 +334,3 @@ def prompt_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
                  for c in (train, test))
 
 
-class EpochSampler:
-    """Resumable shuffled batches: epoch ``e`` is a permutation drawn from (seed, "data", e) (a list, or
-    an int64 array in the streaming subclasses); batches run across epoch boundaries. State is (epoch,
-    offset)."""
-
-    def __init__(self, n: int, seed: int):
-        if n <= 0:
-            raise DatasetError("cannot sample from an empty dataset")
-        self.n, self.seed, self.epoch, self.offset = n, seed, 0, 0
-        self._perm = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        return torch.randperm(self.n, generator=generator_for(self.seed, "data", epoch)).tolist()
-
-    def next(self, batch_size: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < batch_size:
-            take = min(batch_size - len(out), len(self._perm) - self.offset)
-            chunk = self._perm[self.offset:self.offset + take]
-            out += chunk.tolist() if isinstance(chunk, np.ndarray) else chunk
-            self.offset += take
-            if self.offset == len(self._perm):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._perm = self._permutation(self.epoch)
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-        self._perm = self._permutation(self.epoch)

@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from pretrain.data.dataset import EpochSampler
+from pretrain.data.sampler import EpochSampler
 from pretrain.seeding import seed_for
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def stream_order(counts: list[int], seed: int, epoch: int, buffer: int) -> np.nd
 
 
 class StreamSampler(EpochSampler):
-    """:class:`pretrain.data.dataset.EpochSampler` whose epoch order is :func:`stream_order` over shards
+    """:class:`pretrain.data.sampler.EpochSampler` whose epoch order is :func:`stream_order` over shards
     of ``counts`` samples: same state (epoch, offset), same cross-epoch batches."""
 
     def __init__(self, counts: list[int], seed: int, buffer: int):
@@ -80,7 +80,7 @@ def sampler_for(data, seed: int, buffer: int, batch_size: int) -> EpochSampler:
     """The run's sampler over ``data`` (global micro-batches of ``batch_size``): a :class:`BucketSampler`
     for a set with aspect-ratio buckets (``data.bucket_of``), a :class:`StreamSampler` for a set laid
     out in shards (``data.stream_counts()`` gives its samples per shard), else an
-    :class:`pretrain.data.dataset.EpochSampler` (a permutation per epoch)."""
+    :class:`pretrain.data.sampler.EpochSampler` (a permutation per epoch)."""
     counts = data.stream_counts() if hasattr(data, "stream_counts") else None
     if counts is None:
         return EpochSampler(len(data), seed)

@@ -12,7 +12,8 @@ from posttrain.dpo.stage import train as dpo_train
 from posttrain.dpo.data import load_preference_pairs
 from posttrain.eval.evaluate import EvalConfig, evaluate, paired_stats
 from posttrain.base.policy import Policy
-from pretrain.data.dataset import DataConfig, load_openmoji
+from pretrain.data.builtin import load_openmoji
+from pretrain.data.dataset import DataConfig
 from pretrain.data.folder import DatasetError
 from pretrain.runtime.metrics import read_metrics
 from rewards.base import REGISTRY, register

@@ -10,7 +10,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from posttrain.midtrain.stage import MidtrainConfig, train
 from pretrain.config import ConfigError, load_config
-from pretrain.data.dataset import DataConfig, build_datasets, load_openmoji
+from pretrain.data.builtin import load_openmoji
+from pretrain.data.dataset import DataConfig, build_datasets
 from pretrain.evaluation import heldout_loss
 from pretrain.export import load_exported
 from pretrain.objective import FlowConfig

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from pretrain.data import emoji as E
-from pretrain.data.dataset import DataConfig, EpochSampler, build_datasets, load_openmoji
+from pretrain.data.builtin import load_openmoji
+from pretrain.data.dataset import DataConfig, build_datasets
+from pretrain.data.sampler import EpochSampler
 from pretrain.data.folder import DatasetError, load_image_folder
 
 pytestmark = pytest.mark.core

@@ -166,7 +166,8 @@ def test_eval_draws_more_held_out_edits_without_changing_training(tmp_path):
     import torch
 
     from posttrain.eval.evaluate import eval_data
-    from pretrain.data.dataset import DataConfig, load_shapes_edit
+    from pretrain.data.builtin import load_shapes_edit
+    from pretrain.data.dataset import DataConfig
 
     recorded = dict(source="shapes_edit", scenes=48, heldout_per_category=4, heldout_fraction=0.25, size=32,
                     layout="reading", cache_dir=str(tmp_path))

@@ -13,7 +13,7 @@ from posttrain.grpo.engines import RolloutBatch
 class LocalEngine:
     """The colocated engine. ``cfg``: the run's :class:`posttrain.grpo.stage.GRPOConfig` (its
     ``rollout.prompts_per_step`` / ``group_size``); ``actor``: the rank's rollout actor; ``prompts``: the
-    run's :class:`pretrain.data.dataset.EpochSampler` (every rank draws the same); ``ranks``: the
+    run's :class:`pretrain.data.sampler.EpochSampler` (every rank draws the same); ``ranks``: the
     :class:`posttrain.grpo.ranks.RankLayout`; ``scorer``: the :class:`rewards.scoring.AsyncScorer` each
     batch is submitted to. Other collaborators offered to every engine are ignored."""
 

@@ -60,7 +60,7 @@ class RayEngine:
     :class:`posttrain.grpo.stage.GRPOConfig` (sent to the workers, which build their actors from it);
     ``perf``: the resolved speed options (the workers' too; ``reward_workers`` scoring threads);
     ``actor``: the rank's :class:`rollout.actor.RolloutActor` (the settings and device the results must
-    match); ``prompts``: the run's :class:`pretrain.data.dataset.EpochSampler`; ``ranks``: the
+    match); ``prompts``: the run's :class:`pretrain.data.sampler.EpochSampler`; ``ranks``: the
     :class:`posttrain.grpo.ranks.RankLayout`; ``rewards``: the :class:`rewards.base.CompositeReward`;
     ``policy``: the trained :class:`posttrain.base.policy.Policy` (its weights are published);
     ``log``: writes a line to the run's log. Other collaborators offered to every engine are ignored."""
