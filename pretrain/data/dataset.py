@@ -291,8 +291,9 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
 
 
 def shape_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
-    """Train and held-out sets of the shapes source (:func:`load_shapes`); ``limit`` keeps the first N
-    train / N // 8 held-out rows. Captions repeat, so embeddings are stored per distinct caption."""
+    """Train and held-out sets of the shapes source (:func:`pretrain.data.builtin.load_shapes`); ``limit``
+    keeps the first N train / N // 8 held-out rows. Captions repeat, so embeddings are stored per distinct
+    caption."""
     raw = load_shapes(cfg)
     held = raw["heldout"].bool()
     out = []
@@ -304,8 +305,9 @@ def shape_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
 
 
 def shape_edit_sets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
-    """Train and held-out sets of the shapes editing source (:func:`load_shapes_edit`): targets as the
-    images, edit prompts as the captions, sources as the conditioning images; ``limit`` as for shapes."""
+    """Train and held-out sets of the shapes editing source (:func:`pretrain.data.builtin.load_shapes_edit`):
+    targets as the images, edit prompts as the captions, sources as the conditioning images; ``limit`` as
+    for shapes."""
     raw = load_shapes_edit(cfg)
     held = raw["heldout"].bool()
     out = []

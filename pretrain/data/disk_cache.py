@@ -1,4 +1,4 @@
-"""The on-disk cache of rendered sets and caption embeddings.
+"""The on-disk cache of rendered sets, caption embeddings and shard indexes.
 
 Cache files are safetensors (tensors, plus JSON metadata such as caption lists in the file's metadata),
 never pickles: a cache folder shared with others cannot run code when read. The folder is
@@ -38,7 +38,7 @@ def cache_file(cfg: DataConfig, key: str) -> Path:
 
 
 def read_cache(path: Path, tensors: tuple[str, ...], meta: tuple[str, ...]) -> dict | None:
-    """The tensors ``tensors`` and the metadata lists ``meta`` stored in ``path`` by :func:`_write_cache`
+    """The tensors ``tensors`` and the metadata lists ``meta`` stored in ``path`` by :func:`write_cache`
     as one dict, or None (to rebuild) when the file is absent or unreadable (a warning then names it).
     A pickle left by an older version (same key, ``.pt``) is never read; a line says it is rebuilt."""
     if not path.is_file():
