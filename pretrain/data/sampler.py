@@ -25,6 +25,8 @@ class EpochSampler:
         return torch.randperm(self.n, generator=generator_for(self.seed, "data", epoch)).tolist()
 
     def next(self, batch_size: int) -> list[int]:
+        """The next ``batch_size`` row indices in [0, n), continuing into the next epoch's permutation
+        when this one runs out (so a batch that spans two epochs may hold a row twice)."""
         out: list[int] = []
         while len(out) < batch_size:
             take = min(batch_size - len(out), len(self._perm) - self.offset)
@@ -37,8 +39,10 @@ class EpochSampler:
         return out
 
     def state_dict(self) -> dict:
+        """``{"epoch", "offset"}``: where the next batch starts (the permutation is redrawn from the seed)."""
         return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`: the same epoch's permutation, from the same offset."""
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._perm = self._permutation(self.epoch)
