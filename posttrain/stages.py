@@ -70,8 +70,8 @@ STAGES = Registry("stage", {
                       "posttrain.midtrain.stage:MidtrainRun", sweep=True, help="supervised flow-matching fine-tuning of an export"),
     "reward_gradient": Stage("posttrain.reward_gradient.stage:RewardGradientConfig",
                              "posttrain.reward_gradient.stage:train", "posttrain.reward_gradient.stage:RewardGradientRun",
-                             sweep=True, help="reward-gradient fine-tuning (DRaFT-K, DRaFT-LV, ReFL, AlignProp) on a "
-                             "differentiable reward"),
+                             sweep=True, help="reward-gradient fine-tuning (DRaFT-K, DRaFT-LV, ReFL, AlignProp, "
+                             "Adjoint Matching) on a differentiable reward"),
     "curate": Stage("posttrain.curate.stage:CurateConfig", "posttrain.curate.stage:curate", writes="data",
                     help="score a dataset with rewards, filter, drop near-duplicates (a folder dataset and a report)"),
     "cache": Stage("pretrain.data.cache_stage:CacheConfig", "pretrain.data.cache_stage:cache", writes="data",

