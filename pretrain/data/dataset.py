@@ -79,9 +79,10 @@ class DataConfig:
     heldout_max: int = 256
 
     def validate(self, prefix: str = "") -> None:
-        """``ValueError`` naming ``<prefix>source`` (unknown), ``<prefix>path`` (missing for "folder" or
-        "prompts", or not there: a folder without captions.jsonl, a prompt file or a folder without
-        train.txt) or ``<prefix>train_half``."""
+        """``ValueError`` naming ``<prefix>source`` (unknown), ``<prefix>path`` (missing for "folder",
+        "prompts", "shards" or "latent_cache", or not there: a folder without captions.jsonl, a prompt file
+        or a folder without train.txt, a shards path that does not exist, a cache folder without
+        cache.json), ``<prefix>train_half`` or another field's bad value."""
         if self.source not in SOURCES:
             raise ValueError(f"{prefix}source: unknown source '{self.source}' (known: {', '.join(SOURCES)})")
         if self.source in ("folder", "prompts", "shards", "latent_cache") and not self.path:
