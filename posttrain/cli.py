@@ -115,7 +115,8 @@ def _eval(args) -> int:
         cfg = EvalConfig(rewards=args.rewards, prompts=args.prompts, num_prompts=args.num_prompts,
                          samples_per_prompt=args.samples_per_prompt, seed=args.seed,
                          num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-                         reward_params=_reward_params(args.reward_params))
+                         reward_params=_reward_params(args.reward_params), mark=args.mark,
+                         guard_samples=args.guard_samples, grid_prompts=args.grid_prompts)
         validate(cfg, "--")
         data = eval_data(args.models[0], args.data)
     except ValueError as e:
@@ -190,6 +191,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 DESCRIPTION = ("Pretrain flow-matching image and video models, post-train them with RL (GRPO-family, DDPO) and "
                "preference optimization (Diffusion-DPO), then sample, evaluate, report and curate, from YAML "
                "configs. Exit codes: 0 success, 2 config/usage error (the message names the file and key), 1 run "
@@ -244,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a YAML file {NAME: {param: value}} of reward parameters (a judge's base_url, seed, ...)")
     ev.add_argument("--data", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="overrides of the first model's recorded data config, e.g. heldout_per_category=256")
+    ev.add_argument("--mark", default=None, metavar="REWARD",
+                    help="one of --rewards: grid cells where it is >= 0.5 get a green frame (pass), others red")
+    ev.add_argument("--guard-samples", type=_non_negative, default=256,
+                    help="held-out images for the flow-matching-loss guard row (0: none)")
+    ev.add_argument("--grid-prompts", type=_positive, default=32, help="prompts shown in each model's grid")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--out", default=None)
     ev.set_defaults(func=_eval)

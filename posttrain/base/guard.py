@@ -32,6 +32,7 @@ import torch
 
 from posttrain.eval.evaluate import parse_eval_reward
 from posttrain.eval.probe import ProbeConfig, probe_scores, prompt_mean
+from pretrain.grid import edit_cells
 from pretrain.sampling import save_grid
 from rewards.base import build_reward
 
@@ -219,7 +220,7 @@ class Guard:
         fns = dict(self.fns)
         if self.trained is not None:
             fns["trained"] = lambda images, prompts, metadata=None: self.trained(images, prompts, metadata)[0]
-        scores, loss, images, prompts = probe_scores(model, self.stage, self.cfg.probe_config(), fns)
+        scores, loss, images, prompts, meta = probe_scores(model, self.stage, self.cfg.probe_config(), fns)
         values = {name: prompt_mean(scores[name]) for name in self.fns}
         if self.cfg.loss:
             values[LOSS] = loss
@@ -247,7 +248,9 @@ class Guard:
             values, trained, reasons = self._agree(values, trained, reasons)
         grid = self.stage.run / "samples" / f"guard_step_{step:05d}.png"
         if not distributed or torch.distributed.get_rank() == 0:
-            grid = save_grid(images[:len(prompts)], prompts, grid)
+            cells, captions, _, span = edit_cells(images[:len(prompts)], prompts, None,
+                                                  meta["source_images"] if meta else None)
+            grid = save_grid(cells, captions, grid, span=span)
         metrics = {f"guard/{k}": v for k, v in values.items()}
         metrics.update(self.per_category(scores, prompts))
         metrics.update({"guard/trained": trained, "guard/diversity": diversity, "guard/failing": len(reasons),

@@ -184,18 +184,22 @@ def _wrap(draw, text: str, font, width: int) -> list[str]:
 
 
 def side_by_side(cells: list[list], captions: list[str], labels: list[str], path: str | Path, *,
-                 per_row: int = 4, font_size: int = 13, min_cell: int = 64) -> Path:
+                 per_row: int = 4, font_size: int = 13, min_cell: int = 64, sources: list | None = None) -> Path:
     """Write one PNG comparing models prompt by prompt: ``cells[m][i]`` (PIL images, model m, prompt
     i) side by side in model order for each prompt, ``per_row`` prompts per row, each prompt's caption
-    wrapped underneath in full; ``labels[m]`` names model m in a header. Cells narrower than
-    ``min_cell`` px are upscaled (nearest) by a whole factor. Returns ``path``. ``ValueError`` when the
-    models have different numbers of cells or ``captions`` another length."""
+    wrapped underneath in full; ``labels[m]`` names model m in a header. ``sources``: each prompt's
+    conditioning image (an edit's source), shown first in its group. Cells narrower than ``min_cell`` px
+    are upscaled (nearest) by a whole factor. Returns ``path``. ``ValueError`` when the models (or
+    ``sources``) have different numbers of cells or ``captions`` another length."""
     from PIL import Image, ImageDraw, ImageFont
 
     n = len(captions)
-    if any(len(c) != n for c in cells) or len(labels) != len(cells) or n == 0:
+    if any(len(c) != n for c in cells) or len(labels) != len(cells) or n == 0 or (sources and len(sources) != n):
         raise ValueError(f"side_by_side: {[len(c) for c in cells]} cells per model, {n} captions, "
-                         f"{len(labels)} labels")
+                         f"{len(labels)} labels" + (f", {len(sources)} sources" if sources else ""))
+    names = [f"model {m}" for m in range(len(cells))]
+    if sources:
+        cells, names = [sources, *cells], ["source", *names]
     k = math.ceil(min_cell / cells[0][0].width)
     if k > 1:
         cells = [[c.resize((c.width * k, c.height * k), Image.NEAREST) for c in model] for model in cells]
@@ -209,7 +213,8 @@ def side_by_side(cells: list[list], captions: list[str], labels: list[str], path
     rows = [list(range(s, min(n, s + cols))) for s in range(0, n, cols)]
     row_h = [line_h + ch + pad + line_h * max(len(wrapped[i]) for i in r) + gap for r in rows]
     width = cols * group_w + (cols - 1) * gap + 2 * pad
-    header = _wrap(scratch, "Each prompt: " + ", ".join(f"model {m} = {lab}" for m, lab in enumerate(labels))
+    header = _wrap(scratch, "Each prompt: " + ("its source image, then " if sources else "")
+                   + ", ".join(f"model {m} = {lab}" for m, lab in enumerate(labels))
                    + " (left to right).", font, width - 2 * pad)
     top = pad + line_h * len(header) + pad
     img = Image.new("RGB", (width, top + sum(row_h)), "white")
@@ -221,7 +226,7 @@ def side_by_side(cells: list[list], captions: list[str], labels: list[str], path
         for slot, i in enumerate(r):
             x = pad + slot * (group_w + gap)
             for m, model_cells in enumerate(cells):
-                draw.text((x + m * cw + 2, y), f"model {m}", fill=(90, 90, 90), font=font)
+                draw.text((x + m * cw + 2, y), names[m], fill=(90, 90, 90), font=font)
                 img.paste(model_cells[i], (x + m * cw, y + line_h))
                 draw.rectangle((x + m * cw, y + line_h, x + (m + 1) * cw - 1, y + line_h + ch - 1),
                                outline=(200, 200, 200))  # so a blank (white) sample still shows as a cell

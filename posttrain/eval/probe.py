@@ -72,12 +72,14 @@ def prompt_mean(values: list[float]) -> float:
 
 
 @torch.no_grad()
-def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> tuple[dict, float, torch.Tensor, list]:
+def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict
+                 ) -> tuple[dict, float, torch.Tensor, list, dict | None]:
     """Sample ``model`` (a :class:`pretrain.backbone.Backbone`, put in eval mode and back) on the held-out
     prompts of ``stage`` (a :class:`posttrain.base.stage.PolicyStage`) and score the images with each of
     ``fns`` (``{key: fn(images, prompts, metadata) -> float [N]}``). Returns (``{key: [P] per-prompt
     means}`` (NaN rewards stay NaN), the held-out flow-matching loss of the export's objective (NaN
-    with ``guard_samples`` 0), the images float32 ``[K * P, 3, H, W]`` in [0, 1], the P prompts)."""
+    with ``guard_samples`` 0), the images float32 ``[K * P, 3, H, W]`` in [0, 1], the P prompts, the
+    rewards' metadata: :func:`posttrain.eval.evaluate.reward_metadata`, None for text-only prompts)."""
     ecfg = cfg.eval_config()
     prompts = eval_prompts(ecfg, stage.held, stage.train_set)
     was_training = model.training
@@ -96,7 +98,7 @@ def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict) -> 
                                 num_samples=cfg.guard_samples, device=stage.device)
     finally:
         model.train(was_training)
-    return scores, loss, images, prompts
+    return scores, loss, images, prompts, meta
 
 
 def probe(model: torch.nn.Module, stage, cfg: ProbeConfig, rewards: ProbeRewards) -> dict:
@@ -106,5 +108,5 @@ def probe(model: torch.nn.Module, stage, cfg: ProbeConfig, rewards: ProbeRewards
     fns = {"reward": rewards.fns[rewards.reward], "guard_reward": rewards.fns[rewards.guard]}
     if rewards.trained:
         fns["trained_reward"] = rewards.fns[rewards.trained]
-    scores, loss, _, _ = probe_scores(model, stage, cfg, fns)
+    scores, loss, *_ = probe_scores(model, stage, cfg, fns)
     return {**scores, "guard_loss": loss}

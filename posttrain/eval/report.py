@@ -110,18 +110,22 @@ def eval_section(eval_dir: Path, run: Path) -> tuple[list[str], Path | None]:
         return lines + [""], None
     models = meta["models"] if meta else [_model_line(text, i) for i in range(len(grids))]
     try:
+        sources = None
         if meta:
-            captions = list(meta["grid_prompts"])
-            cells = [grid_cells(g, len(captions), int(meta.get("grid_cols", cols))) for g in grids]
+            captions, span = list(meta["grid_prompts"]), int(meta.get("grid_span", 1))
+            cells = [grid_cells(g, span * len(captions), int(meta.get("grid_cols", cols))) for g in grids]
+            if span == 2:  # an edit's source, then its output (pretrain.grid.edit_cells)
+                sources, cells = cells[0][0::2], [c[1::2] for c in cells]
         else:
             cells = [grid_cells(g, n, cols, captions=True) for g in grids]
             captions = [""] * len(cells[0])
     except ValueError as e:
         return lines + ["", f"Grids not combined: {e}.", ""], None
-    png = side_by_side(cells, captions, models, run / "report_eval_grids.png")
+    png = side_by_side(cells, captions, models, run / "report_eval_grids.png", sources=sources)
     note = "" if meta else (" This evaluation predates `eval.json`, so its prompts are not recorded: each cell "
                             "keeps its grid's own shortened caption; evaluate again for full captions.")
-    return lines + ["", f"The grids side by side, each prompt's models left to right (model 0 first).{note}", "",
+    order = "source image, then its models" if sources else "models"
+    return lines + ["", f"The grids side by side, each prompt's {order} left to right (model 0 first).{note}", "",
                     f"![before and after]({png.name})", ""], png
 
 

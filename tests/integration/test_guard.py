@@ -148,7 +148,7 @@ def test_online_dpo_runs_the_same_guard(tiny_export, tmp_path):
     fns = {"trained": lambda images, prompts, metadata=None: trained(images, prompts)[0]}
     st = PolicyStage.setup(dpo_config(tmp_path / "probe", tiny_export, *PROBE), "probe")
     for check, model in ((checks[0], st.model), (checks[1], load_exported(tmp_path / "dpo/export")[0])):
-        scores, loss, _, _ = probe_scores(model, st, probe_cfg, fns)
+        scores, loss, *_ = probe_scores(model, st, probe_cfg, fns)
         assert check["guard/loss"] == pytest.approx(loss, rel=1e-4)
         assert check["guard/trained"] == pytest.approx(prompt_mean(scores["trained"]), rel=1e-4, abs=1e-4)
     assert checks[1]["guard/trained"] != checks[0]["guard/trained"]  # the policy moved between the checks

@@ -5,10 +5,12 @@ scored with them too, and `posttrain eval` with the edit judge per edit kind, ea
 a user runs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from posttrain.cli import main
+from posttrain.eval.report import write_report
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.core
@@ -49,3 +51,8 @@ def test_pretrain_grpo_and_eval_on_the_editing_task(tmp_path, capsys):
     table = (run / "eval" / "report.md").read_text()
     assert "| shapes_edit_strict: colour (3 prompts) |" in table and "| shapes_edit: shape (3 prompts) |" in table
     assert "| shapes_edit_preserved (mean) |" in table
+    # each grid shows every edit's source beside its output; the run report puts the source first in each group
+    assert json.loads((run / "eval" / "eval.json").read_text())["grid_span"] == 2
+    report = Path(write_report(run)["report"]).read_text()
+    assert "each prompt's source image, then its models left to right" in report
+    assert (run / "report_eval_grids.png").is_file()

@@ -236,9 +236,12 @@ def test_sample_and_eval_reject_non_positive_counts(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["sample", str(tmp_path), "--prompts", "a", "--steps", "0"])
     assert e.value.code == 2
-    with pytest.raises(SystemExit) as e:
-        main(["eval", str(tmp_path), "--num-prompts", "0"])
-    assert e.value.code == 2
+    for flag, value in (("--num-prompts", "0"), ("--guard-samples", "-1"), ("--grid-prompts", "0")):
+        with pytest.raises(SystemExit) as e:
+            main(["eval", str(tmp_path), flag, value])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    code, err = run_cli(capsys, "eval", str(tmp_path), "--rewards", "shapes_strict", "--mark", "shapes")
+    assert code == 2 and "--mark: 'shapes' is not one of --rewards" in err
 
 
 def test_unknown_preset_is_a_clear_error(capsys):

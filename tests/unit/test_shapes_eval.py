@@ -12,7 +12,7 @@ from posttrain.eval.evaluate import paired_stats, report_table
 from posttrain.eval.plots import panels
 from pretrain.data import dataset as ds
 from pretrain.data import shapes
-from pretrain.grid import FAIL_RGB, PASS_RGB, grid_image
+from pretrain.grid import FAIL_RGB, PASS_RGB, edit_cells, grid_image
 from pretrain.text_encoder import NoTextEmbeds, PromptEmbeds
 from rewards.base import build_reward
 from rewards.shapes import ShapesReward
@@ -79,6 +79,24 @@ def test_grid_image_marks_frame_cells_inside():
     assert np.array_equal(np.asarray(grid_image(images, caps, cols=3, scale=3, marks=None)), plain)
     assert np.array_equal(np.asarray(grid_image(images, caps, cols=3, scale=3, marks=[None] * 3)), plain)
     assert not np.array_equal(marked, plain)
+
+
+def test_an_edit_grid_shows_each_source_beside_its_output_under_one_caption():
+    outputs, sources = torch.full((2, 3, 4, 4), 0.2), torch.full((4, 3, 4, 4), 0.8)  # sources: k = 2 samples x 2
+    sources[1] = 0.5
+    prompts = ["a red circle; make the red circle blue", "no separator"]
+    cells, captions, marks, span = edit_cells(outputs, prompts, [True, False], sources)
+    assert span == 2 and captions == ["make the red circle blue", "no separator"] and marks == [None, True, None, False]
+    assert [float(c.mean()) for c in cells] == pytest.approx([0.8, 0.2, 0.5, 0.2])  # source 0, output 0, source 1, ...
+    assert edit_cells(outputs, prompts, None, None) == (outputs, prompts, None, 1)
+    grid = np.asarray(grid_image(cells, captions, cols=3, scale=3, marks=marks, span=2))  # 3 columns -> 2
+    cw, label = 12, 12
+    assert grid.shape[:2] == (2 * (cw + label), 2 * cw)  # two pairs, one per row
+    assert tuple(grid[0, 0]) == (204, 204, 204) and tuple(grid[0, cw]) == PASS_RGB  # the source is not framed
+    under_first, under_second = grid[cw:cw + label, :cw], grid[cw:cw + label, cw:]
+    assert (under_first < 128).any() and (under_second < 128).any()  # one caption written across both cells
+    with pytest.raises(ValueError, match="4 images for 3 captions of 2 cell"):
+        grid_image(cells, captions + ["x"], span=2)
 
 
 def test_guard_per_category_means_of_registered_shapes_strict():
