@@ -12,17 +12,18 @@ from pretrain.grid import grid_image
 
 
 def save_animation(videos: torch.Tensor, captions: list[str], stem: str | Path, cols: int = 8, scale: int = 3,
-                   fps: int = 4) -> list[Path]:
+                   fps: int = 4, span: int = 1) -> list[Path]:
     """Write videos float ``[N, F, 3, H, W]`` in [0, 1] to ``<stem>.gif`` and ``<stem>.mp4`` (H.264,
-    ``fps`` frames per second; the frame is padded with white to even sides, as yuv420p needs). Returns
-    the two paths. ``ValueError`` for a tensor that is not a batch of videos."""
+    ``fps`` frames per second; the frame is padded with white to even sides, as yuv420p needs), one caption
+    per ``span`` clips (:func:`pretrain.grid.grid_image`). Returns the two paths. ``ValueError`` for a
+    tensor that is not a batch of videos."""
     from pretrain.extras import require
 
     imageio = require("imageio.v2", "writing video samples (GIF / MP4)")
 
     if videos.ndim != 5 or videos.shape[2] != 3:
         raise ValueError(f"save_animation: videos [N, F, 3, H, W] expected, got {tuple(videos.shape)}")
-    frames = [np.asarray(grid_image(videos[:, f], captions, cols, scale)) for f in range(videos.shape[1])]
+    frames = [np.asarray(grid_image(videos[:, f], captions, cols, scale, span=span)) for f in range(videos.shape[1])]
     h, w = frames[0].shape[:2]
     pad = ((0, h % 2), (0, w % 2), (0, 0))
     frames = [np.pad(f, pad, constant_values=255) for f in frames]

@@ -47,14 +47,22 @@ def grid_image(images: torch.Tensor, captions: list[str], cols: int = 8, scale: 
 
 def edit_cells(images: torch.Tensor, captions: list[str], marks: list[bool | None] | None,
                sources: torch.Tensor | None) -> tuple[torch.Tensor, list[str], list[bool | None] | None, int]:
-    """What a grid shows of N samples (float ``[N, 3, H, W]`` in [0, 1], one per caption): (cells, captions,
-    marks, span) for :func:`grid_image`. With conditioning images (``sources``: float ``[>= N, 3, H, W]`` in
-    [0, 1], row i the source of sample i) each edit takes two cells, the source then the output, captioned
-    together with the instruction (the caption after its last "; ", the whole caption without one) and
-    framed on the output only; without (None), the samples themselves, one cell each."""
+    """What a grid shows of N samples (images float ``[N, 3, H, W]`` or videos ``[N, F, 3, H, W]`` in
+    [0, 1], one per caption): (cells, captions, marks, span) for :func:`grid_image` or
+    :func:`pretrain.sampling.save_grid`. With conditioning images (``sources``: float ``[>= N, 3, h, w]`` in
+    [0, 1], row i the source of sample i; resized to the samples' size where it differs, and held still
+    for every frame of a video) each edit takes two cells, the source then the output, captioned together
+    with the instruction (the caption after its last "; ", the whole caption without one) and framed on
+    the output only; without (None), the samples themselves, one cell each."""
     if sources is None:
         return images, captions, marks, 1
     n = len(captions)
-    cells = torch.stack([sources[:n].to(images), images], 1).flatten(0, 1)
+    src = sources[:n].to(images)
+    if src.shape[-2:] != images.shape[-2:]:
+        src = torch.nn.functional.interpolate(src, size=tuple(images.shape[-2:]), mode="bilinear",
+                                              antialias=True, align_corners=False).clamp(0, 1)
+    if images.ndim == 5:
+        src = src[:, None].expand(-1, images.shape[1], -1, -1, -1)
+    cells = torch.stack([src, images], 1).flatten(0, 1)
     paired = None if marks is None else [m for mark in marks for m in (None, mark)]
     return cells, [c.rpartition("; ")[2] for c in captions], paired, 2

@@ -55,12 +55,12 @@ def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols:
     (nearest) with its caption underneath. Videos ``[N, F, 3, H, W]``: each cell shows up to 4 of its
     frames side by side (:func:`frame_strips`), upscaled only while a frame stays <= 128 px; the whole
     clips also go to a GIF and an MP4 beside the PNG (:func:`pretrain.animation.save_animation`).
-    ``marks``: pass / fail frames per image, ``span``: cells per caption (:func:`pretrain.grid.grid_image`;
-    images only). Returns the PNG's path."""
+    ``marks``: pass / fail frames per image, ``span``: cells (or clips) per caption
+    (:func:`pretrain.grid.grid_image`). Returns the PNG's path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if images.ndim == 5:
-        save_animation(images, captions, path.with_suffix(""), cols=cols, scale=scale)
+        save_animation(images, captions, path.with_suffix(""), cols=cols, scale=scale, span=span)
         images, scale = frame_strips(images), max(1, min(scale, 128 // images.shape[-2]))
     grid_image(images, captions, cols, scale, marks, span).save(path)
     return path

@@ -4,6 +4,7 @@ per-category guard curves and panels, and the shapes data source."""
 import math
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
@@ -97,6 +98,19 @@ def test_an_edit_grid_shows_each_source_beside_its_output_under_one_caption():
     assert (under_first < 128).any() and (under_second < 128).any()  # one caption written across both cells
     with pytest.raises(ValueError, match="4 images for 3 captions of 2 cell"):
         grid_image(cells, captions + ["x"], span=2)
+
+
+def test_an_edit_grid_of_videos_holds_each_source_still_at_the_clips_size(tmp_path):
+    from pretrain.sampling import save_grid
+
+    videos = torch.rand(2, 3, 3, 4, 4)  # 2 clips of 3 frames, 4 x 4
+    sources = torch.full((2, 3, 8, 8), 0.25)  # a first frame at another size (e.g. Wan image-to-video)
+    cells, captions, _, span = edit_cells(videos, ["a; first", "b; second"], None, sources)
+    assert cells.shape == (4, 3, 3, 4, 4) and captions == ["first", "second"] and span == 2
+    assert torch.allclose(cells[0], torch.full((3, 3, 4, 4), 0.25)) and torch.equal(cells[1], videos[0])
+    png = np.asarray(PIL.Image.open(save_grid(cells, captions, tmp_path / "grid.png", span=span)).convert("RGB"))
+    assert png.shape[1] == 4 * (3 * 4 * 3)  # 4 cells of 3-frame strips, upscaled 3x
+    assert (tmp_path / "grid.gif").is_file() and (tmp_path / "grid.mp4").is_file()
 
 
 def test_guard_per_category_means_of_registered_shapes_strict():
