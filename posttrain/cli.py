@@ -126,25 +126,73 @@ def _eval(args) -> int:
     return 0
 
 
+def _read_images(paths: list[str], count: int, height: int, width: int):
+    """``--images``: one file per prompt (or one for every prompt) as float32 ``[count, 3, height, width]``
+    in [0, 1] (RGB, resized bicubic to the sampling size). ``ConfigError`` naming ``--images`` and the file
+    for a wrong count, a missing file or one PIL cannot read."""
+    import numpy as np
+    import torch
+    from PIL import Image, UnidentifiedImageError
+
+    from pretrain.config import ConfigError
+
+    if len(paths) not in (1, count):
+        raise ConfigError(f"--images: {len(paths)} files for {count} prompts; give one per prompt, or one for all")
+    out = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                rgb = im.convert("RGB").resize((width, height), Image.BICUBIC)
+        except (OSError, UnidentifiedImageError) as e:
+            raise ConfigError(f"--images: cannot read '{path}': {e}") from e
+        out.append(torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).float() / 255.0)
+    images = torch.stack(out)
+    return images.expand(count, -1, -1, -1) if len(paths) == 1 else images
+
+
 def _sample(args) -> int:
     import torch
 
+    from pretrain.codec import encode_conditions
+    from pretrain.config import ConfigError
     from pretrain.export import load_exported
+    from pretrain.grid import edit_cells
     from pretrain.runtime.runtime import resolve_device
     from pretrain.sampling import initial_noise, sample_latents, save_grid
+    from pretrain.text_encoder import PromptEmbeds
 
     device = resolve_device(args.device)
     model, encoder, codec, meta = load_exported(args.model, device=str(device))
+    height, width = args.height or meta["image_size"], args.width or meta["image_size"]
+    sources = None
+    if args.images:
+        if not model.takes_images:
+            raise ConfigError(f"--images: {args.model} takes no conditioning images ({type(model).__name__})")
+        sources = _read_images(args.images, len(args.prompts), height, width).to(device)
     s = meta["sampling"]
     steps = args.steps if args.steps is not None else s["num_inference_steps"]
     scale = args.guidance_scale if args.guidance_scale is not None else s["guidance_scale"]
     embeds, null = encoder.encode(args.prompts), encoder.encode([""])
-    height, width = args.height or meta["image_size"], args.width or meta["image_size"]
+    if sources is not None:  # an edit's source or a first frame, as the training data's prompts carry them
+        with torch.no_grad():
+            conditions = encode_conditions(codec, sources)
+            text = encoder.encode_with_images(args.prompts, sources) if getattr(encoder, "reads_images", False) else embeds
+        embeds = PromptEmbeds(text.tokens, text.pooled, conditions, text.negative)
     noise = initial_noise(len(args.prompts), codec.latent_shape(height, width), args.seed, device=device)
-    with torch.no_grad():
-        latents = sample_latents(model, embeds.to(device), null.to(device), noise, steps, scale, s["shift"])
+    try:
+        with torch.no_grad():
+            latents = sample_latents(model, embeds.to(device), null.to(device), noise, steps, scale, s["shift"])
+    except ValueError as e:  # the adapter's check of the conditioning input against the model
+        if sources is not None:
+            raise ConfigError(f"--images: {e}") from e
+        if model.takes_images:
+            raise ConfigError(f"{e} (an editing or image-to-video export: give each prompt its source with "
+                              f"--images)") from e
+        raise
     out = args.out or Path(args.model).resolve().parent / "samples" / f"sample_seed{args.seed}.png"
-    print(f"grid: {shown_path(save_grid(codec.decode(latents), args.prompts, out))}")
+    cells, captions, _, span = edit_cells(codec.decode(latents), args.prompts, None,
+                                          None if sources is None else sources.cpu())
+    print(f"grid: {shown_path(save_grid(cells, captions, out, span=span))}")
     return 0
 
 
@@ -235,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--height", type=_positive, default=None, help="pixels (default: the export's image size); "
                      "a model trained with data.buckets samples at each bucket's size")
     smp.add_argument("--width", type=_positive, default=None, help="pixels (default: the export's image size)")
+    smp.add_argument("--images", nargs="+", default=None, metavar="PATH",
+                     help="an editing or image-to-video export's conditioning images: one per prompt, or one for "
+                     "all (resized to the sampling size); the grid shows each beside its output")
     smp.add_argument("--device", default="auto")
     smp.add_argument("--out", default=None)
     smp.set_defaults(func=_sample)

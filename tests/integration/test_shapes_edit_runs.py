@@ -7,6 +7,7 @@ a user runs."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from posttrain.cli import main
@@ -56,3 +57,21 @@ def test_pretrain_grpo_and_eval_on_the_editing_task(tmp_path, capsys):
     report = Path(write_report(run)["report"]).read_text()
     assert "each prompt's source image, then its models left to right" in report
     assert (run / "report_eval_grids.png").is_file()
+    # `posttrain sample` edits a source image given on the command line: the grid shows it beside the output
+    from PIL import Image
+
+    source = np.zeros((20, 24, 3), np.uint8)  # another size than the export's 32 px: resized
+    source[:, :12] = (215, 40, 40)
+    Image.fromarray(source).save(tmp_path / "source.png")
+    prompts = ["a red circle; make the red circle blue", "a red circle; turn the red circle into a square"]
+    assert main(["sample", str(export), "--prompts", *prompts, "--images", str(tmp_path / "source.png"), "--steps", "2",
+                 "--out", str(tmp_path / "edit.png")]) == 0
+    grid = np.asarray(Image.open(tmp_path / "edit.png").convert("RGB"))
+    assert grid.shape[:2] == (32 * 3 + 12, 4 * 32 * 3)  # (source, output) x 2 in one row, 3x, caption strip
+    assert tuple(grid[5, 5]) == (215, 40, 40) and tuple(grid[5, 32 * 3 - 5]) == (0, 0, 0)  # the source, left half red
+    capsys.readouterr()
+    assert main(["sample", str(export), "--prompts", "a", "b", "c", "--images", str(tmp_path / "source.png"),
+                 str(tmp_path / "source.png")]) == 2
+    assert "--images: 2 files for 3 prompts" in capsys.readouterr().err
+    assert main(["sample", str(export), "--prompts", prompts[0], "--steps", "2"]) == 2
+    assert "give each prompt its source with --images" in capsys.readouterr().err
