@@ -153,6 +153,7 @@ def _read_images(paths: list[str], count: int, height: int, width: int):
 def _sample(args) -> int:
     import torch
 
+    from pretrain.backbone import ConditioningError
     from pretrain.codec import encode_conditions
     from pretrain.config import ConfigError
     from pretrain.export import load_exported
@@ -182,13 +183,11 @@ def _sample(args) -> int:
     try:
         with torch.no_grad():
             latents = sample_latents(model, embeds.to(device), null.to(device), noise, steps, scale, s["shift"])
-    except ValueError as e:  # the adapter's check of the conditioning input against the model
+    except ConditioningError as e:  # the family's check of the conditioning input against the model
         if sources is not None:
             raise ConfigError(f"--images: {e}") from e
-        if model.takes_images:
-            raise ConfigError(f"{e} (an editing or image-to-video export: give each prompt its source with "
-                              f"--images)") from e
-        raise
+        raise ConfigError(f"{e} (an editing or image-to-video export: give each prompt its source with "
+                          f"--images)") from e
     out = args.out or Path(args.model).resolve().parent / "samples" / f"sample_seed{args.seed}.png"
     cells, captions, _, span = edit_cells(codec.decode(latents), args.prompts, None,
                                           None if sources is None else sources.cpu())

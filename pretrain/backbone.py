@@ -21,12 +21,17 @@ from pretrain.flow import cfg_combine
 from pretrain.schedule import sigma_schedule
 
 
+class ConditioningError(ValueError):
+    """The prompts' conditioning images do not fit the model: a family without the input given some, one
+    that needs them given none, or images of the wrong batch, size or channels."""
+
+
 def _refuse_images(module: "Backbone", args: tuple, kwargs: dict) -> None:
-    """A forward pre-hook: ``ValueError`` when the prompts carry conditioning images and the family
-    (``module.takes_images`` False) has no input for them."""
+    """A forward pre-hook: :class:`ConditioningError` when the prompts carry conditioning images and the
+    family (``module.takes_images`` False) has no input for them."""
     embeds = args[2] if len(args) > 2 else kwargs.get("embeds")
     if getattr(embeds, "images", None) is not None and not module.takes_images:
-        raise ValueError(f"{type(module).__name__}: the prompts carry conditioning images (editing or "
+        raise ConditioningError(f"{type(module).__name__}: the prompts carry conditioning images (editing or "
                          f"image-to-video data) and this family has no conditioning-image input")
 
 

@@ -100,17 +100,20 @@ def test_i2v_sampler_reproduces_the_pipeline_with_the_first_frame(boundary_ratio
 def test_refusals_name_the_variant(i2v_folder, tmp_path):
     from diffusers import WanImageToVideoPipeline
 
+    from pretrain.backbone import ConditioningError
     from pretrain.config import ConfigError
     from tests.families.test_wan import build_tiny_wan
 
     t2v, _, codec, _ = load_exported(build_tiny_wan(tmp_path / "t2v"), options=OPTIONS)
     text = load_exported(i2v_folder, options=OPTIONS)[1].encode(PROMPTS)
     embeds = PromptEmbeds(text.tokens, text.pooled, torch.zeros(2, 8, 2, 4, 4))
-    with pytest.raises(ValueError, match="WanAdapter: the prompts carry conditioning images"):
+    with pytest.raises(ConditioningError, match="WanAdapter: the prompts carry conditioning images"):
         t2v(torch.zeros(2, 4, 2, 4, 4), torch.tensor([0.5, 0.5]), embeds)
     model = load_exported(i2v_folder, options=OPTIONS)[0]
-    with pytest.raises(ValueError, match=r"WanAdapter: conditions \(2, 8, 2, 4, 4\) for latents \(2, 4, 2, 2, 2\)"):
+    with pytest.raises(ConditioningError, match=r"WanAdapter: conditions \(2, 8, 2, 4, 4\) for latents \(2, 4, 2, 2, 2\)"):
         model(torch.zeros(2, 4, 2, 2, 2), torch.tensor([0.5, 0.5]), embeds)
+    with pytest.raises(ConditioningError, match="image-to-video folder's prompts need their first frames"):
+        model(torch.zeros(2, 4, 2, 4, 4), torch.tensor([0.5, 0.5]), PromptEmbeds(text.tokens, text.pooled))
     pipe = WanImageToVideoPipeline.from_pretrained(i2v_folder)
     pipe.register_to_config(expand_timesteps=True)
     pipe.save_pretrained(tmp_path / "ti2v")

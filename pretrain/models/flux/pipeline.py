@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.backbone import Backbone
+from pretrain.backbone import Backbone, ConditioningError
 from pretrain.codec import VAECodec
 from pretrain.models.common import JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep
 from pretrain.models.flow_schedule import dynamic_shift_sigmas
@@ -95,7 +95,7 @@ class FluxAdapter(SchedulerTimestep, Backbone):
         if embeds.images is not None:  # FluxKontextPipeline: the source's tokens after the latents, ids[:, 0] = 1
             cond = embeds.images.to(device, dtype)
             if cond.shape[0] != b or cond.dim() != 4:
-                raise ValueError(f"FluxAdapter: conditioning images {tuple(cond.shape)} for {b} samples; expected "
+                raise ConditioningError(f"FluxAdapter: conditioning images {tuple(cond.shape)} for {b} samples; expected "
                                  f"[{b}, C, h', w'] latents")
             ch, cw = cond.shape[-2:]
             cond_ids = FluxPipeline._prepare_latent_image_ids(b, ch // 2, cw // 2, device, dtype)

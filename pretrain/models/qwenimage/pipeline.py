@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.backbone import Backbone
+from pretrain.backbone import Backbone, ConditioningError
 from pretrain.models.common import JOINT_ATTENTION, PipelinePromptEncoder, SchedulerTimestep, text_mask
 from pretrain.models.flow_schedule import dynamic_shift_sigmas
 from pretrain.text_encoder import PromptEmbeds
@@ -92,7 +92,7 @@ class QwenImageAdapter(SchedulerTimestep, Backbone):
             length = max(int(mask.sum(1).max()), 1)  # it keeps max_sequence_length, which the CP degree divides
             tokens, mask = tokens[:, :length], mask[:, :length]
         if self.takes_images and embeds.images is None:
-            raise ValueError("QwenImageAdapter: a Qwen-Image-Edit folder's prompts need their source images (data "
+            raise ConditioningError("QwenImageAdapter: a Qwen-Image-Edit folder's prompts need their source images (data "
                              "with conditioning images, e.g. data.source: shapes_edit)")
         packed, shapes = pack(x.to(dtype)), [(1, h // 2, w // 2)]
         n = packed.shape[1]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pretrain.backbone import Backbone
+from pretrain.backbone import Backbone, ConditioningError
 from pretrain.models.common import JOINT_ATTENTION
 from pretrain.models.sd3.tensor_parallel import SD3_TP_PLAN
 from pretrain.text_encoder import PromptEmbeds
@@ -60,17 +60,17 @@ class SD3Adapter(Backbone):
         """The velocity float32 ``[B, C, h, w]``. Prompts with conditioning images (``embeds.images``
         ``[B, C_c, h, w]``) are read InstructPix2Pix's way (Brooks et al. 2023): the latents
         concatenated on channels, for a transformer built with ``in_channels`` = C + C_c
-        (``model.overrides.in_channels``) and ``out_channels`` = C. ``ValueError`` when the channels do
-        not add up."""
+        (``model.overrides.in_channels``) and ``out_channels`` = C. ``ConditioningError`` (a ``ValueError``)
+        when the channels do not add up."""
         dtype = next(self.transformer.parameters()).dtype
         want = self.transformer.config.in_channels
         if embeds.images is not None:
             if embeds.images.shape[0] != x.shape[0] or embeds.images.shape[2:] != x.shape[2:]:
-                raise ValueError(f"SD3Adapter: conditioning images {tuple(embeds.images.shape)} do not match the "
+                raise ConditioningError(f"SD3Adapter: conditioning images {tuple(embeds.images.shape)} do not match the "
                                  f"latents {tuple(x.shape)} in batch and size")
             x = torch.cat([x, embeds.images.to(x.dtype)], 1)
         if x.shape[1] != want:
-            raise ValueError(f"SD3Adapter: the transformer takes {want} input channels, got {x.shape[1]} (latents"
+            raise ConditioningError(f"SD3Adapter: the transformer takes {want} input channels, got {x.shape[1]} (latents"
                              f"{' + conditioning images' if embeds.images is not None else ''}; an editing model "
                              f"needs model.overrides.in_channels = latent + image channels, and its prompts images)")
         out = self.transformer(

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.backbone import ConditioningError
 from pretrain.models.common import (PipelinePromptEncoder, call_defaults, check_image_size, checked_options,
                                       family_meta)
 from pretrain.models.flow_schedule import checked_schedule, set_flow_timesteps
@@ -114,12 +115,16 @@ class WanAdapter(WanVideoAdapter):
         """``x`` ``[B, C, F', h, w]``, with an image-to-video folder's conditions (``embeds.images``,
         :meth:`pretrain.models.wan.codec.WanImageToVideoCodec.encode_conditions`, ``[B, T + C, F', h, w]``)
         concatenated after it along channels, as ``WanImageToVideoPipeline`` feeds its transformer.
-        ``ValueError`` when the conditions' batch or frame grid differs from ``x``'s."""
+        ``ConditioningError`` (a ``ValueError``) when an image-to-video folder's prompts carry none, or when the
+        conditions' batch or frame grid differs from ``x``'s."""
         cond = embeds.images
+        if cond is None and self.takes_images:
+            raise ConditioningError("WanAdapter: an image-to-video folder's prompts need their first frames (data "
+                                    "with conditioning images, or `posttrain sample --images`)")
         if cond is None:
             return x
         if cond.dim() != 5 or cond.shape[0] != x.shape[0] or cond.shape[2:] != x.shape[2:]:
-            raise ValueError(f"WanAdapter: conditions {tuple(cond.shape)} for latents {tuple(x.shape)}; expected "
+            raise ConditioningError(f"WanAdapter: conditions {tuple(cond.shape)} for latents {tuple(x.shape)}; expected "
                              f"[{x.shape[0]}, T + C, {', '.join(map(str, x.shape[2:]))}] (the image-to-video codec's "
                              f"encode_conditions)")
         return torch.cat([x, cond.to(x.device, x.dtype)], 1)
