@@ -116,9 +116,9 @@ def _eval(args) -> int:
                          samples_per_prompt=args.samples_per_prompt, seed=args.seed,
                          num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
                          reward_params=_reward_params(args.reward_params), mark=args.mark,
-                         guard_samples=args.guard_samples, grid_prompts=args.grid_prompts)
+                         guard_samples=args.guard_samples, grid_prompts=args.grid_prompts, data=list(args.data))
         validate(cfg, "--")
-        data = eval_data(args.models[0], args.data)
+        data = eval_data(args.models[0], cfg.data)
     except ValueError as e:
         raise ConfigError(f"command line: {e}") from e
     out = args.out or str(Path(args.models[-1]).parent / "eval")
@@ -177,7 +177,8 @@ def _sample(args) -> int:
     if sources is not None:  # an edit's source or a first frame, as the training data's prompts carry them
         with torch.no_grad():
             conditions = encode_conditions(codec, sources)
-            text = encoder.encode_with_images(args.prompts, sources) if getattr(encoder, "reads_images", False) else embeds
+            reads = getattr(encoder, "reads_images", False)  # Qwen-Image-Edit reads the source with the text
+            text = encoder.encode_with_images(args.prompts, sources) if reads else embeds
         embeds = PromptEmbeds(text.tokens, text.pooled, conditions, text.negative)
     noise = initial_noise(len(args.prompts), codec.latent_shape(height, width), args.seed, device=device)
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.eval.evaluate import EvalConfig, evaluate
+from posttrain.eval.evaluate import EvalConfig, evaluate, with_data_overrides
 from pretrain.data.dataset import source_of_folder
 from posttrain.stages import STAGES, data_stages, get_stage, has_checkpoints, model_stages
 from pretrain.config import ConfigError, load_config, save_config
@@ -44,7 +44,7 @@ class PipelineConfig:
     ``source_key``). Every
     stage config is loaded and validated before the first one trains (a ``data_from`` stage with its own
     data block; its folder is read when it starts). ``eval`` runs on the model stages' exports at the end,
-    on the first stage's data (held-out prompts and guard images)."""
+    on the first stage's data (held-out prompts and guard images), with ``eval.data``'s overrides."""
 
     run_dir: str = "runs/pipeline"
     stages: list[StageConfig] = field(default_factory=list)
@@ -143,6 +143,8 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False) -> dict:
     if cfg.evaluate:
         print("== evaluation", flush=True)
         data = getattr(stages[0].config, "data", None)  # held-out prompts and guard images of the first stage's data
+        if data is not None:
+            data = with_data_overrides(data, cfg.eval.data, "eval.data")
         results = evaluate(exports, cfg.eval, run / "eval", device=resolve_device(cfg.device), data=data)
         print(results["table"], flush=True)
     from posttrain.eval.report import report_after_run

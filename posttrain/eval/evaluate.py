@@ -45,7 +45,10 @@ class EvalConfig:
     ``{remote: {base_url: ..., model: ..., seed: 3, temperature: 1.0}}``); ``eval.json`` records each
     reward's parameters, and a judge's request settings (:meth:`rewards.remote.RemoteJudge.settings`).
     ``mark``: one of ``rewards`` whose value >= 0.5 frames a grid cell green (pass), else red (fail);
-    None: no frames."""
+    None: no frames. ``data``: ``KEY=VALUE`` overrides of the data config the evaluation reads (a
+    pipeline's first stage's, or with ``posttrain eval --data`` the first export's recorded one), e.g.
+    ``heldout_per_category=517`` to evaluate on more of a shapes set's held-out edits or compositions than
+    the training listed."""
 
     rewards: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
     prompts: str = "heldout"
@@ -59,8 +62,10 @@ class EvalConfig:
     batch_size: int = 64
     mark: str | None = None
     reward_params: dict[str, dict] = field(default_factory=dict)
+    data: list[str] = field(default_factory=list)
 
     def validate(self, prefix: str = "") -> None:
+        data_overrides(self.data, f"{prefix}data")
         if self.mark is not None and self.mark not in self.rewards:
             raise ValueError(f"{prefix}mark: '{self.mark}' is not one of {prefix}rewards {self.rewards}")
         names = [parse_eval_reward(entry, f"{prefix}rewards")[0] for entry in self.rewards]
@@ -183,6 +188,35 @@ def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
     return [pool[i] for i in spread_indices(len(pool), cfg.num_prompts)]
 
 
+def data_overrides(items: list[str], key: str = "--data") -> dict:
+    """``KEY=VALUE`` items (values read as YAML) as a mapping of :class:`DataConfig` fields. ``ValueError``
+    naming ``key`` and the item for a malformed item, an unknown field, a value that is not YAML, or
+    ``size`` (each model samples at its export's image size)."""
+    import yaml
+
+    fields = set(DataConfig.__dataclass_fields__)
+    values = {}
+    for item in items:
+        name, sep, raw = str(item).partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"{key}: '{item}' must look like key=value (e.g. heldout_per_category=256)")
+        if name == "size":
+            raise ValueError(f"{key}: '{item}': each model samples at its export's image size; size cannot be set")
+        if name not in fields:
+            raise ValueError(f"{key}.{name}: not a field of the data config ('{item}'; e.g. heldout_per_category)")
+        try:
+            values[name] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{key}: '{item}': the value is not YAML: {str(e).splitlines()[0]}") from e
+    return values
+
+
+def with_data_overrides(data: DataConfig, items: list[str], key: str) -> DataConfig:
+    """``data`` with ``items`` (:func:`data_overrides`) applied, validated as a data block."""
+    return load_section(DataConfig, {**asdict(data), **data_overrides(items, key)}, key) if items else data
+
+
 def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
     """The data config recorded in export ``model``'s ``posttrain.json`` (the defaults where it records
     none) with ``overrides`` (``KEY=VALUE`` items, values read as YAML) applied, e.g.
@@ -192,25 +226,12 @@ def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
     ``ValueError`` naming ``--data`` and the item or field for a malformed item or an unknown field."""
     if not overrides:
         return None
-    import yaml
-
     recorded = Path(model) / META  # a diffusers pipeline folder records none: the defaults, as evaluate's
     try:
         values = dict(json.loads(recorded.read_text()).get("data", {})) if recorded.is_file() else {}
     except (json.JSONDecodeError, AttributeError) as e:
         raise ValueError(f"--data: cannot read the data config recorded in '{recorded}': {e}") from e
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"--data: '{item}' must look like key=value (e.g. heldout_per_category=256)")
-        if key == "size":
-            raise ValueError(f"--data: '{item}': each model samples at its export's image size; size cannot be set")
-        try:
-            values[key] = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise ValueError(f"--data: '{item}': the value is not YAML: {str(e).splitlines()[0]}") from e
-    return load_section(DataConfig, values, "--data")
+    return load_section(DataConfig, {**values, **data_overrides(overrides)}, "--data")
 
 
 @torch.no_grad()
@@ -337,7 +358,8 @@ def report_table(results: dict) -> str:
                      f"sample(s) per prompt, prompts from {s['prompts']}")
         if "data" in s:
             d = s["data"]
-            lines.append(f"data (set by the caller: --data or a pipeline's first stage; eval.json has it whole): "
+            lines.append(f"data (set by the caller: --data, or a pipeline's first stage with eval.data; eval.json "
+                         f"has it whole): "
                          f"source {d['source']}, heldout_fraction {d['heldout_fraction']}, heldout_per_category "
                          f"{d['heldout_per_category']}")
     lines += [f"grid model {i}: {g}" for i, g in enumerate(results["grids"])]

@@ -190,6 +190,13 @@ def test_eval_draws_more_held_out_edits_without_changing_training(tmp_path):
         eval_data(tmp_path, ["layout=["])
     with pytest.raises(ValueError, match="size cannot be set"):  # each model samples at its own size
         eval_data(tmp_path, ["size=64"])
+    # a pipeline's eval.data: the same items over its first stage's data, checked when the config loads
+    from posttrain.eval.evaluate import EvalConfig, with_data_overrides
+
+    assert with_data_overrides(small, ["heldout_per_category=12"], "eval.data") == big
+    assert with_data_overrides(small, [], "eval.data") is small
+    with pytest.raises(ValueError, match="eval.data.heldout_per_categry: not a field of the data config"):
+        EvalConfig(rewards=["shapes_edit_strict"], data=["heldout_per_categry=8"]).validate("eval.")
 
 
 def test_the_evaluation_runs_without_autograd(tmp_path, monkeypatch):
