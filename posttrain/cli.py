@@ -157,7 +157,6 @@ def _sample(args) -> int:
     from pretrain.codec import encode_conditions
     from pretrain.config import ConfigError
     from pretrain.export import load_exported
-    from pretrain.grid import edit_cells
     from pretrain.runtime.runtime import resolve_device
     from pretrain.sampling import initial_noise, sample_latents, save_grid
     from pretrain.text_encoder import PromptEmbeds
@@ -190,9 +189,7 @@ def _sample(args) -> int:
         raise ConfigError(f"{e} (an editing or image-to-video export: give each prompt its source with "
                           f"--images)") from e
     out = args.out or Path(args.model).resolve().parent / "samples" / f"sample_seed{args.seed}.png"
-    cells, captions, _, span = edit_cells(codec.decode(latents), args.prompts, None,
-                                          None if sources is None else sources.cpu())
-    print(f"grid: {shown_path(save_grid(cells, captions, out, span=span))}")
+    print(f"grid: {shown_path(save_grid(codec.decode(latents), args.prompts, out, sources=sources))}")
     return 0
 
 

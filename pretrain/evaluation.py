@@ -10,7 +10,6 @@ from pretrain import objective
 from pretrain.data.dataset import EncodedSet
 from pretrain.objective import FlowConfig, draw_training_noise, objective_sigmas
 from pretrain.codec import decode_conditions
-from pretrain.grid import edit_cells
 from pretrain.sampling import initial_noise, sample_latents, save_grid
 
 
@@ -46,12 +45,11 @@ def write_grid(model, codec, data: EncodedSet, null, *, num_prompts: int, seed: 
                guidance_scale: float, shift: float | None, device, path: Path) -> Path:
     """ODE-sample ``num_prompts`` prompts evenly spaced over ``data`` (sorted by code point, so flags
     and faces both appear) with fixed per-prompt seeds; write a labelled PNG grid (an editing set's
-    samples each beside its source image, :func:`pretrain.grid.edit_cells`)."""
+    samples each beside its source image)."""
     idx = spread_indices(len(data), num_prompts)
     images, embeds, captions = data.batch(idx)
     noise = initial_noise(len(idx), codec.latent_shape(*images.shape[-2:]), seed, device=device)
     latents = sample_latents(model, embeds.to(device), null, noise, num_inference_steps, guidance_scale, shift)
     conditions = getattr(embeds, "images", None)
     sources = None if conditions is None else decode_conditions(codec, conditions.to(device))
-    cells, captions, _, span = edit_cells(codec.decode(latents), captions, None, sources)
-    return save_grid(cells, captions, path, span=span)
+    return save_grid(codec.decode(latents), captions, path, sources=sources)

@@ -9,7 +9,7 @@ import torch
 
 from pretrain.animation import save_animation
 from pretrain.flow import euler_sample
-from pretrain.grid import grid_image
+from pretrain.grid import edit_cells, grid_image
 from pretrain.guidance import guided_velocity
 from pretrain.seeding import randn_per_sample
 from pretrain.text_encoder import PromptEmbeds
@@ -50,15 +50,17 @@ def frame_strips(videos: torch.Tensor, max_frames: int = 4) -> torch.Tensor:
 
 
 def save_grid(images: torch.Tensor, captions: list[str], path: str | Path, cols: int = 8, scale: int = 3,
-              marks: list[bool | None] | None = None, span: int = 1) -> Path:
+              marks: list[bool | None] | None = None, sources: torch.Tensor | None = None) -> Path:
     """Write images float ``[N, 3, H, W]`` in [0, 1] as a PNG grid, each cell upscaled ``scale`` x
     (nearest) with its caption underneath. Videos ``[N, F, 3, H, W]``: each cell shows up to 4 of its
     frames side by side (:func:`frame_strips`), upscaled only while a frame stays <= 128 px; the whole
     clips also go to a GIF and an MP4 beside the PNG (:func:`pretrain.animation.save_animation`).
-    ``marks``: pass / fail frames per image, ``span``: cells (or clips) per caption
-    (:func:`pretrain.grid.grid_image`). Returns the PNG's path."""
+    ``marks``: pass / fail frames per image (:func:`pretrain.grid.grid_image`). ``sources``: the samples'
+    conditioning images (float ``[>= N, 3, h, w]`` in [0, 1]), each shown beside its output under the
+    instruction (:func:`pretrain.grid.edit_cells`). Returns the PNG's path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    images, captions, marks, span = edit_cells(images, captions, marks, sources)
     if images.ndim == 5:
         save_animation(images, captions, path.with_suffix(""), cols=cols, scale=scale, span=span)
         images, scale = frame_strips(images), max(1, min(scale, 128 // images.shape[-2]))

@@ -32,7 +32,6 @@ import torch
 
 from posttrain.eval.evaluate import parse_eval_reward
 from posttrain.eval.probe import ProbeConfig, probe_scores, prompt_mean
-from pretrain.grid import edit_cells
 from pretrain.sampling import save_grid
 from rewards.base import build_reward
 
@@ -248,9 +247,7 @@ class Guard:
             values, trained, reasons = self._agree(values, trained, reasons)
         grid = self.stage.run / "samples" / f"guard_step_{step:05d}.png"
         if not distributed or torch.distributed.get_rank() == 0:
-            cells, captions, _, span = edit_cells(images[:len(prompts)], prompts, None,
-                                                  meta["source_images"] if meta else None)
-            grid = save_grid(cells, captions, grid, span=span)
+            grid = save_grid(images[:len(prompts)], prompts, grid, sources=meta["source_images"] if meta else None)
         metrics = {f"guard/{k}": v for k, v in values.items()}
         metrics.update(self.per_category(scores, prompts))
         metrics.update({"guard/trained": trained, "guard/diversity": diversity, "guard/failing": len(reasons),

@@ -26,7 +26,6 @@ from pretrain.data.dataset import DataConfig, attach_codec, build_datasets
 from pretrain.evaluation import heldout_loss
 from pretrain.export import META, load_exported
 from pretrain.objective import FlowConfig
-from pretrain.grid import edit_cells
 from pretrain.sampling import initial_noise, sample_latents, save_grid
 from rewards.base import build_reward, check_reward_weights, groupwise_rewards
 
@@ -280,10 +279,9 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         marks = None
         if cfg.mark:
             marks = (results["rewards"][cfg.mark][-1].T.reshape(-1)[:grid_n] >= 0.5).tolist()
-        cells, captions, marks, span = edit_cells(images[:grid_n], prompts[:grid_n], marks,
-                                                  metadata["source_images"] if metadata else None)
-        results["grids"].append(str(save_grid(cells, captions, out_dir / f"grid_model{m_i}.png", cols=GRID_COLS,
-                                              marks=marks, span=span)))
+        sources = metadata["source_images"] if metadata else None
+        results["grids"].append(str(save_grid(images[:grid_n], prompts[:grid_n], out_dir / f"grid_model{m_i}.png",
+                                              cols=GRID_COLS, marks=marks, sources=sources)))
         guard = float("nan")
         if cfg.guard_samples:
             bar.set_postfix_str(f"model {m_i}: guard loss")
@@ -306,7 +304,8 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     (out_dir / "eval.json").write_text(json.dumps(
         {"models": models, "settings": results["settings"], "rewards": reward_record, "prompts": prompts,
          "grids": results["grids"],
-         "grid_prompts": prompts[:grid_n], "grid_cols": GRID_COLS, "grid_span": span}, indent=1) + "\n")
+         "grid_prompts": prompts[:grid_n], "grid_cols": GRID_COLS, "grid_span": 1 if sources is None else 2},
+        indent=1) + "\n")
     return results
 
 

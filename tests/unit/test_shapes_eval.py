@@ -108,7 +108,8 @@ def test_an_edit_grid_of_videos_holds_each_source_still_at_the_clips_size(tmp_pa
     cells, captions, _, span = edit_cells(videos, ["a; first", "b; second"], None, sources)
     assert cells.shape == (4, 3, 3, 4, 4) and captions == ["first", "second"] and span == 2
     assert torch.allclose(cells[0], torch.full((3, 3, 4, 4), 0.25)) and torch.equal(cells[1], videos[0])
-    png = np.asarray(PIL.Image.open(save_grid(cells, captions, tmp_path / "grid.png", span=span)).convert("RGB"))
+    png = np.asarray(PIL.Image.open(save_grid(videos, ["a; first", "b; second"], tmp_path / "grid.png",
+                                              sources=sources)).convert("RGB"))
     assert png.shape[1] == 4 * (3 * 4 * 3)  # 4 cells of 3-frame strips, upscaled 3x
     assert (tmp_path / "grid.gif").is_file() and (tmp_path / "grid.mp4").is_file()
 
