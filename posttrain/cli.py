@@ -128,24 +128,24 @@ def _eval(args) -> int:
 
 def _read_images(paths: list[str], count: int, height: int, width: int):
     """``--images``: one file per prompt (or one for every prompt) as float32 ``[count, 3, height, width]``
-    in [0, 1] (RGB, resized bicubic to the sampling size). ``ConfigError`` naming ``--images`` and the file
-    for a wrong count, a missing file or one PIL cannot read."""
-    import numpy as np
+    in [0, 1], read as an editing folder's sources are (:func:`pretrain.data.folder.read_rgb`: on white,
+    resized to the sampling size). ``ConfigError`` naming ``--images`` and the file for a wrong count, a
+    missing file or one PIL cannot read."""
     import torch
     from PIL import Image, UnidentifiedImageError
 
     from pretrain.config import ConfigError
+    from pretrain.data.folder import read_rgb
 
     if len(paths) not in (1, count):
         raise ConfigError(f"--images: {len(paths)} files for {count} prompts; give one per prompt, or one for all")
     out = []
     for path in paths:
         try:
-            with Image.open(path) as im:
-                rgb = im.convert("RGB").resize((width, height), Image.BICUBIC)
-        except (OSError, UnidentifiedImageError) as e:
+            rgb = read_rgb(path, width, height)
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
             raise ConfigError(f"--images: cannot read '{path}': {e}") from e
-        out.append(torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).float() / 255.0)
+        out.append(torch.from_numpy(rgb.copy()).permute(2, 0, 1).float() / 255.0)
     images = torch.stack(out)
     return images.expand(count, -1, -1, -1) if len(paths) == 1 else images
 

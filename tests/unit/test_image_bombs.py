@@ -44,7 +44,8 @@ def test_folder_dataset_skips_and_counts_a_bomb(tmp_path, caplog):
     (tmp_path / "bomb.png").write_bytes(bomb_png())
     rows = [{"file": "bomb.png", "caption": "huge"}, {"file": "ok.png", "caption": "a red square"}]
     (tmp_path / "captions.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    images, captions, skipped = load_image_folder(tmp_path, 8)
+    got = load_image_folder(tmp_path, 8)
+    images, captions, skipped = got.images, got.captions, got.skipped
     assert captions == ["a red square"] and images.shape == (1, 3, 8, 8)
     assert skipped == {"corrupt image": ["bomb.png"]}
     assert "1 corrupt image (first: bomb.png)" in caplog.text
