@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from pretrain.config import require_positive, save_config
-from pretrain.data.dataset import DataConfig, build_datasets
+from pretrain.data.dataset import DataConfig, build_datasets, refuse_conditions
 from pretrain.extras import require
 from rewards.base import CompositeReward, check_reward_weights, parse_reward_specs
 
@@ -391,6 +391,7 @@ def curate(cfg: CurateConfig) -> Path:
     data, tmp = root / "data", root / "data.tmp"
     passed = Path(cfg.model.pretrained) if cfg.model.pretrained else data
     train, held = build_datasets(cfg.data, NoTextEmbeds())
+    refuse_conditions(cfg.data, train, "curate's output (a folder or shards of images and captions)")
     identity = _identity(cfg, train.images, train.captions)
     if _reusable(data, identity, cfg.overwrite):
         print(f"curate: reusing {data} (same config and source; overwrite=true makes it anew)")

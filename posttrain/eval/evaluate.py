@@ -238,10 +238,11 @@ def eval_data(model: str | Path, overrides: list[str]) -> DataConfig | None:
 @torch.no_grad()
 def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cpu",
              data: DataConfig | None = None) -> dict:
-    """Evaluate export folders ``models`` on ``data`` (default: the data the first model was trained on,
-    recorded in its export, else the OpenMoji set); writes ``report.md``, one grid per model and ``eval.json``
-    (models, sampling settings, every prompt, the grid prompts, columns and cells per prompt: 2 for edits,
-    source and output) to ``out_dir``. Returns
+    """Evaluate export folders ``models`` on ``data`` (default: the data each model was trained on, recorded
+    in its export, else the OpenMoji set; the prompts are listed from the first model's); writes
+    ``report.md``, one grid per model and ``eval.json`` (models, sampling settings, every prompt and its row
+    in the set, null for a prompt file, the grid prompts, columns and cells per prompt: 2 for edits, source
+    and output) to ``out_dir``. Returns
     {"prompts", "rewards": {name: [K x P tensors per model]}, "guard": [...], "grids": [...], "settings", "table"}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -253,7 +254,7 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         reward_record[entry] = {"name": name, "params": redacted(params),
                                 **({"request": redacted(settings())} if callable(settings) else {})}
     results = {"models": models, "rewards": {n: [] for n in cfg.rewards}, "guard": [], "grids": []}
-    prompts = None
+    prompts = rows = clusters = None
     phases = ("load", "sample", "score") + (("guard",) if cfg.guard_samples else ())
     bar = tqdm(total=len(models) * len(phases), desc="eval", dynamic_ncols=True)
     for m_i, path in enumerate(models):
@@ -263,10 +264,14 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
         default = DataConfig(**meta["data"]) if "data" in meta else DataConfig()  # the pretraining data
         train, held = build_datasets(replace(data or default, size=meta["image_size"]), encoder)
         attach_codec(codec, train, held, encoder=encoder)
+        pool = train if cfg.prompts == "train" else held
         if prompts is None:
             prompts, rows = eval_prompts(cfg, held, train)
+            # an editing set may repeat an instruction over several sources: each row is its own prompt
+            clusters = ([f"{p} [row {r}]" for p, r in zip(prompts, rows)]
+                        if rows is not None and getattr(pool, "conditions", None) is not None else prompts)
         null = encoder.encode([""]).to(device)
-        embeds = (train if cfg.prompts == "train" else held).prompt_embeds(prompts, encoder, rows)
+        embeds = pool.prompt_embeds(prompts, encoder, rows)
         k, p = cfg.samples_per_prompt, len(prompts)
         bar.update()
         bar.set_postfix_str(f"model {m_i}: sampling {k * p} images")
@@ -294,7 +299,7 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
             bar.update()
         results["guard"].append(guard)
     bar.close()
-    results["prompts"] = prompts
+    results["prompts"], results["clusters"] = prompts, clusters
     results["categories"] = {entry: fn.categories(prompts) for entry, fn in reward_fns.items()
                              if callable(getattr(fn, "categories", None))}
     results["settings"] = {"sampler": "ODE", "num_inference_steps": cfg.num_inference_steps,
@@ -306,7 +311,7 @@ def evaluate(models: list[str], cfg: EvalConfig, out_dir: str | Path, device="cp
     grid_n = min(cfg.grid_prompts, len(prompts))
     (out_dir / "eval.json").write_text(json.dumps(
         {"models": models, "settings": results["settings"], "rewards": reward_record, "prompts": prompts,
-         "grids": results["grids"],
+         "rows": rows, "grids": results["grids"],
          "grid_prompts": prompts[:grid_n], "grid_cols": GRID_COLS, "grid_span": 1 if sources is None else 2},
         indent=1) + "\n")
     return results
@@ -333,19 +338,21 @@ def _row(label: str, per_model: list[torch.Tensor], prompts: list[str] | None) -
 
 def report_table(results: dict) -> str:
     """Markdown table: per reward, each model's mean and (vs model 0) paired diff +/- SE (clustered by
-    prompt text) and z; a reward with categories (``results["categories"]``) adds a row per category."""
+    ``results["clusters"]``, else by prompt text: an editing set's rows are clustered by row, since one
+    instruction may edit several sources) and z; a reward with categories (``results["categories"]``) adds
+    a row per category, with its count of distinct clusters."""
     models = results["models"]
     head = "| metric | " + " | ".join(f"model {i}" for i in range(len(models)))
     head += "".join(f" | model {i} - model 0 (SE) | z" for i in range(1, len(models))) + " |"
     lines = [head, "|" + "---|" * (1 + len(models) + 2 * (len(models) - 1))]
-    prompts = results.get("prompts")
+    keys = results.get("clusters") or results.get("prompts")
     for name, per_model in results["rewards"].items():
-        lines.append(_row(f"{name} (mean)", per_model, prompts))
+        lines.append(_row(f"{name} (mean)", per_model, keys))
         cats = results.get("categories", {}).get(name)
         for cat in dict.fromkeys(cats or []):
             rows = [i for i, c in enumerate(cats) if c == cat]
-            lines.append(_row(f"{name}: {cat} ({len(set(prompts[i] for i in rows))} prompts)",
-                              [r[rows] for r in per_model], [prompts[i] for i in rows]))
+            lines.append(_row(f"{name}: {cat} ({len(set(keys[i] for i in rows))} prompts)",
+                              [r[rows] for r in per_model], [keys[i] for i in rows]))
     guard = results["guard"]
     row = "| guard: held-out flow-matching loss | " + " | ".join(f"{g:.4f}" for g in guard)
     row += "".join(f" | {g - guard[0]:+.4f} | " for g in guard[1:])

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from pretrain.codec import CodecConfig, build_codec
 from pretrain.config import require_positive, save_config
-from pretrain.data.dataset import DataConfig, build_datasets
+from pretrain.data.dataset import DataConfig, build_datasets, refuse_conditions
 from pretrain.data.latent_cache import FORMAT, MANIFEST, write_shard
 from pretrain.data.shards import BadSample
 from pretrain.text_encoder import PromptEmbeds, TextEncoderConfig, text_encoder_from_config
@@ -91,6 +91,7 @@ def cache(cfg: CacheConfig) -> Path:
     encoder = text_encoder_from_config(cfg.text_encoder, device=cfg.device)
     codec = build_codec(cfg.codec, device=cfg.device)
     train, held = build_datasets(cfg.data, encoder)
+    refuse_conditions(cfg.data, train, "a latent cache")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     root.mkdir(parents=True, exist_ok=True)

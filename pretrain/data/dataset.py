@@ -210,6 +210,15 @@ def require_in_memory(cfg: DataConfig, prefix: str, why: str) -> None:
                          f"needs an in-memory source (prompts, shapes, openmoji, folder)")
 
 
+def refuse_conditions(cfg: DataConfig, data, why: str) -> None:
+    """``DatasetError`` naming ``data.source`` (and ``data.path``) when ``data`` (an :class:`EncodedSet`)
+    carries conditioning images, an editing set's sources, that ``why`` (a stage's output) would drop."""
+    if getattr(data, "conditions", None) is not None:
+        where = f" '{cfg.path}'" if cfg.path else ""
+        raise DatasetError(f"data.source: the {cfg.source}{where} is an editing set (its rows carry source images), "
+                           f"and {why} keeps no source images; give it a set without them")
+
+
 def source_of_folder(path: str | Path) -> str:
     """The ``data.source`` that reads a data stage's output folder: "latent_cache" (a cache.json),
     "shards" (.tar or .parquet files) or "folder" (captions.jsonl and images)."""

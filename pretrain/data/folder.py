@@ -6,7 +6,7 @@ edited image (the target), ``caption`` the instruction and ``source`` the image 
 prompt's conditioning image. A line that does not decode or parse, a ``file`` or ``source`` outside the
 folder (absolute, ``..`` or a link out of it), a corrupt image (a decompression bomb included: a header
 claiming more pixels than Pillow's limit), a missing image, an empty caption or, in an editing folder (one
-where any line has a ``source``), a line without one is skipped and counted (one warning names the first
+where any line names a ``source``), a line without one is skipped and counted (one warning names the first
 few); an empty result is an error.
 """
 
@@ -34,7 +34,7 @@ class ImageFolder:
     """What :func:`load_image_folder` read: ``images`` uint8 ``[N, 3, S, S]`` (an editing folder's targets),
     ``captions`` (N strings; instructions in an editing folder), ``skipped`` (reason -> what was skipped),
     and for an editing folder ``sources`` uint8 ``[N, 3, S, S]`` with their ``source_files`` (paths relative
-    to the folder, as its lines give them); None for a text-to-image folder."""
+    to the folder, links and ``..`` resolved, so one file has one name); None for a text-to-image folder."""
 
     images: torch.Tensor
     captions: list[str]
@@ -109,7 +109,8 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
         raise DatasetError(f"{index}: missing (expected one JSON object per line with 'file' and 'caption')")
     skipped: dict[str, list[str]] = {}
     rows = _rows(index, skipped)
-    editing = any("source" in row for _, _, row in rows)
+    editing = any(row.get("source") for _, _, row in rows)
+    seen: dict[Path, np.ndarray] = {}  # sources read once however many edits they have
     resolved = root.resolve()
     images, captions, sources, source_files = [], [], [], []
     for where, caption, row in rows:
@@ -129,11 +130,15 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
         read = {}
         for kind, path in paths.items():
             reason = None
-            if not path.is_file():
+            if kind and path in seen:
+                read[kind] = seen[path]
+            elif not path.is_file():
                 reason = f"missing {kind}image"
             else:
                 try:
                     read[kind] = read_rgb(path, size, size)
+                    if kind:
+                        seen[path] = read[kind]
                 except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
                     reason = f"corrupt {kind}image"  # a bomb: a header claiming too many pixels
             if reason:
@@ -145,7 +150,7 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
         captions.append(caption)
         if editing:
             sources.append(read["source "])
-            source_files.append(names["source "])
+            source_files.append(paths["source "].relative_to(resolved).as_posix())
     if skipped:
         log.warning("%s: kept %d sample(s), skipped %s", root, len(images), "; ".join(
             f"{len(names)} {reason} (first: {', '.join(names[:SHOWN])})" for reason, names in skipped.items()))

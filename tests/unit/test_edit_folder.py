@@ -87,3 +87,33 @@ def test_a_repeated_instruction_is_evaluated_with_each_rows_own_source(tmp_path)
     first = held.prompt_embeds(prompts, NoTextEmbeds())  # a prompt file's prompts: the first row with the text
     assert torch.equal(first.images, codec.encode(held.conditions[[0] * len(held)].float() / 255))
     assert not torch.equal(own.images, first.images)
+    # the evaluation lists rows with its prompts, and its paired SE clusters an editing set's rows by row
+    from posttrain.eval.evaluate import EvalConfig, eval_prompts, report_table
+
+    listed, listed_rows = eval_prompts(EvalConfig(rewards=[], prompts="heldout", num_prompts=3), held, train)
+    assert listed == ["keep it"] * 3 and len(held) == 16 and listed_rows == [0, 8, 15]  # evenly spaced
+    base, other = torch.tensor([[0.0], [1.0], [0.0], [1.0]]), torch.tensor([[1.0], [1.0], [1.0], [1.0]])
+    results = {"models": ["a", "b"], "rewards": {"r": [base, other]}, "prompts": ["keep it"] * 4, "guard": [0.0, 0.0],
+               "grids": []}
+    assert "| r (mean) | 0.5000 | 1.0000 | +0.5000 (nan) | n/a |" in report_table(results)  # one cluster
+    results["clusters"] = [f"keep it [row {i}]" for i in range(4)]
+    assert "| r (mean) | 0.5000 | 1.0000 | +0.5000 (0.2887) | +1.7 |" in report_table(results)
+
+
+def test_curate_and_cache_refuse_an_editing_folder_instead_of_dropping_its_sources(tmp_path, capsys):
+    from posttrain.cli import main
+    from tests.conftest import ROOT
+
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    for i, rgb in enumerate([(220, 30, 30), (30, 30, 220)] * 10):
+        _png(folder / f"{i}.png", rgb)
+    (folder / "captions.jsonl").write_text("".join(
+        json.dumps({"file": f"{i}.png", "source": f"{(i + 1) % 20}.png", "caption": "swap the colour"}) + "\n"
+        for i in range(20)))
+    data = ["data.source=folder", f"data.path={folder}", "data.heldout_fraction=0.2"]
+    assert main(["cache", str(ROOT / "configs/cache/emoji_tiny.yaml"), f"run_dir={tmp_path / 'c'}", *data]) == 1
+    assert f"the folder '{folder}' is an editing set" in capsys.readouterr().err
+    assert main(["curate", str(ROOT / "configs/curate/emoji_learned_clip.yaml"), f"run_dir={tmp_path / 'u'}", *data,
+                 "~rewards", "rewards={jpeg_compressibility: 1.0}", "dedup.method=none"]) == 1
+    assert "a latent cache" not in (err := capsys.readouterr().err) and "curate's output" in err
