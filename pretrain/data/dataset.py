@@ -309,8 +309,10 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
             raise DatasetError(f"data: the {name} split is empty ({len(captions)} samples, "
                                f"heldout_fraction={cfg.heldout_fraction})")
         caps, rows = [captions[i] for i in idx], torch.as_tensor(idx)
-        split[name] = EncodedSet(images[rows], caps, encode_captions(encoder, caps, cfg),
-                                 None if conditions is None else conditions[rows])
+        if conditions is None:
+            split[name] = EncodedSet(images[rows], caps, encode_captions(encoder, caps, cfg))
+        else:  # editing pairs repeat their instructions: each distinct one encoded once
+            split[name] = EncodedSet(images[rows], caps, encode_repeated(encoder, caps, cfg), conditions[rows])
     return split["train"], split["heldout"]
 
 
