@@ -69,6 +69,22 @@ def read_rgb(path: str | Path, width: int, height: int) -> np.ndarray:
     return np.asarray(Image.alpha_composite(white, rgba).convert("RGB").resize((width, height), Image.LANCZOS))
 
 
+def _read(path: Path, size: int, cache: dict[Path, np.ndarray]) -> tuple[np.ndarray | None, str | None]:
+    """(``size`` x ``size`` pixels, None), or (None, "missing" / "corrupt") for a file that is not there or
+    that PIL cannot read (a decompression bomb included); ``cache`` keeps what was read by path."""
+    from PIL import Image, UnidentifiedImageError
+
+    if path in cache:
+        return cache[path], None
+    if not path.is_file():
+        return None, "missing"
+    try:
+        cache[path] = read_rgb(path, size, size)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        return None, "corrupt"
+    return cache[path], None
+
+
 def _rows(index: Path, skipped: dict[str, list[str]]) -> list[tuple[str, str, dict]]:
     """(``captions.jsonl:<line>``, stripped caption, the row) of each parsed line; undecodable and bad
     lines go to ``skipped``."""
@@ -101,8 +117,6 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
     without ``source``); the ``file`` for "missing image", "corrupt image" and "empty caption"; the
     ``source`` for "missing source image" and "corrupt source image".
     Raises ``DatasetError`` naming the file if nothing usable remains or the index is missing."""
-    from PIL import Image, UnidentifiedImageError
-
     root = Path(root)
     index = root / "captions.jsonl"
     if not index.is_file():
@@ -114,43 +128,30 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
     resolved = root.resolve()
     images, captions, sources, source_files = [], [], [], []
     for where, caption, row in rows:
-        names = {"": row["file"]}
-        if editing:
-            if not row.get("source"):
-                skipped.setdefault("no source", []).append(where)
-                continue
-            names["source "] = str(row["source"])
-        paths = {kind: _inside(resolved, name) for kind, name in names.items()}
-        if None in paths.values():
+        if editing and not row.get("source"):
+            skipped.setdefault("no source", []).append(where)
+            continue
+        path = _inside(resolved, row["file"])
+        source = _inside(resolved, str(row["source"])) if editing else None
+        if path is None or (editing and source is None):
             skipped.setdefault("path outside the folder", []).append(where)
             continue
         if not caption:
             skipped.setdefault("empty caption", []).append(row["file"])
             continue
-        read = {}
-        for kind, path in paths.items():
-            reason = None
-            if kind and path in seen:
-                read[kind] = seen[path]
-            elif not path.is_file():
-                reason = f"missing {kind}image"
-            else:
-                try:
-                    read[kind] = read_rgb(path, size, size)
-                    if kind:
-                        seen[path] = read[kind]
-                except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-                    reason = f"corrupt {kind}image"  # a bomb: a header claiming too many pixels
-            if reason:
-                skipped.setdefault(reason, []).append(names[kind])
-                break
-        if len(read) < len(paths):
+        image, bad = _read(path, size, {})
+        if bad:
+            skipped.setdefault(f"{bad} image", []).append(row["file"])
             continue
-        images.append(read[""])
-        captions.append(caption)
         if editing:
-            sources.append(read["source "])
-            source_files.append(paths["source "].relative_to(resolved).as_posix())
+            pixels, bad = _read(source, size, seen)
+            if bad:
+                skipped.setdefault(f"{bad} source image", []).append(str(row["source"]))
+                continue
+            sources.append(pixels)
+            source_files.append(source.relative_to(resolved).as_posix())
+        images.append(image)
+        captions.append(caption)
     if skipped:
         log.warning("%s: kept %d sample(s), skipped %s", root, len(images), "; ".join(
             f"{len(names)} {reason} (first: {', '.join(names[:SHOWN])})" for reason, names in skipped.items()))
