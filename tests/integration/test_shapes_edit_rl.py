@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.long
 
 
-@pytest.mark.timeout(3 * 3600)  # about 70 min on 2 AVX2 cores; the suite's 600 s limit is for single checks
+@pytest.mark.timeout(3 * 3600)  # 63 min on 2 AVX2 cores; the suite's 600 s limit is for single checks
 def test_grpo_raises_held_out_edit_accuracy_by_the_exact_judge(tmp_path):
     cfg = yaml.safe_load((ROOT / "configs/shapes_edit_16px.yaml").read_text())
     cfg["run_dir"] = str(tmp_path / "run")
