@@ -340,18 +340,20 @@ def report_table(results: dict) -> str:
     """Markdown table: per reward, each model's mean and (vs model 0) paired diff +/- SE (clustered by
     ``results["clusters"]``, else by prompt text: an editing set's rows are clustered by row, since one
     instruction may edit several sources) and z; a reward with categories (``results["categories"]``) adds
-    a row per category, with its count of distinct clusters."""
+    a row per category, with its count of distinct clusters ("prompts", or "edits" where rows are clustered
+    by row)."""
     models = results["models"]
     head = "| metric | " + " | ".join(f"model {i}" for i in range(len(models)))
     head += "".join(f" | model {i} - model 0 (SE) | z" for i in range(1, len(models))) + " |"
     lines = [head, "|" + "---|" * (1 + len(models) + 2 * (len(models) - 1))]
     keys = results.get("clusters") or results.get("prompts")
+    unit = "prompts" if keys == results.get("prompts") else "edits"
     for name, per_model in results["rewards"].items():
         lines.append(_row(f"{name} (mean)", per_model, keys))
         cats = results.get("categories", {}).get(name)
         for cat in dict.fromkeys(cats or []):
             rows = [i for i, c in enumerate(cats) if c == cat]
-            lines.append(_row(f"{name}: {cat} ({len(set(keys[i] for i in rows))} prompts)",
+            lines.append(_row(f"{name}: {cat} ({len(set(keys[i] for i in rows))} {unit})",
                               [r[rows] for r in per_model], [keys[i] for i in rows]))
     guard = results["guard"]
     row = "| guard: held-out flow-matching loss | " + " | ".join(f"{g:.4f}" for g in guard)

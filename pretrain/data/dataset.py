@@ -295,10 +295,10 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
     elif cfg.source == "moving_emoji":
         raw = load_moving_emoji(cfg)
         images, captions, keys = raw["images"], raw["captions"], raw["bases"]
-    else:  # folder: an editing folder splits by source image, so no source is in both splits
+    else:  # folder: an editing folder splits by linked source and target files (ImageFolder.split_keys)
         folder = load_image_folder(cfg.path, cfg.size)
         images, captions, conditions = folder.images, folder.captions, folder.sources
-        keys = folder.source_files or captions
+        keys = folder.split_keys()
     held = [emoji_data.is_heldout(k, cfg.heldout_fraction) for k in keys]
     split = {}
     for name, want in (("train", False), ("heldout", True)):
@@ -308,8 +308,10 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         if cfg.limit:
             idx = idx[: cfg.limit if name == "train" else max(1, cfg.limit // 8)]
         if not idx:
+            linked = (f"; an editing folder splits by groups of linked source and target files, and it has "
+                      f"{len(set(keys))}" if conditions is not None else "")
             raise DatasetError(f"data: the {name} split is empty ({len(captions)} samples, "
-                               f"heldout_fraction={cfg.heldout_fraction})")
+                               f"heldout_fraction={cfg.heldout_fraction}{linked})")
         caps, rows = [captions[i] for i in idx], torch.as_tensor(idx)
         if conditions is None:
             split[name] = EncodedSet(images[rows], caps, encode_captions(encoder, caps, cfg))

@@ -34,13 +34,43 @@ class ImageFolder:
     """What :func:`load_image_folder` read: ``images`` uint8 ``[N, 3, S, S]`` (an editing folder's targets),
     ``captions`` (N strings; instructions in an editing folder), ``skipped`` (reason -> what was skipped),
     and for an editing folder ``sources`` uint8 ``[N, 3, S, S]`` with their ``source_files`` (paths relative
-    to the folder, links and ``..`` resolved, so one file has one name); None for a text-to-image folder."""
+    to the folder, links and ``..`` resolved, so one file has one name) and the targets' ``files`` (named
+    the same way); None for a text-to-image folder."""
 
     images: torch.Tensor
     captions: list[str]
     skipped: dict[str, list[str]] = field(default_factory=dict)
     sources: torch.Tensor | None = None
     source_files: list[str] | None = None
+    files: list[str] | None = None
+
+    def split_keys(self) -> list[str]:
+        """One key per row, equal for rows that must fall on the same side of a train / held-out split: the
+        caption of a text-to-image row; for an editing row, the first (sorted) source file among the rows
+        that share a file with it, as source or as target, directly or through a chain of rows. So an image
+        edited in one row and the output of another is never a held-out source while it trains as a target
+        (or the reverse); a row whose files appear in no other row is keyed by its own source.
+        Raises nothing."""
+        if self.source_files is None or self.files is None:
+            return list(self.captions)
+        parent: dict[str, str] = {}
+
+        def root(name: str) -> str:
+            parent.setdefault(name, name)
+            while parent[name] != name:
+                parent[name] = parent[parent[name]]
+                name = parent[name]
+            return name
+
+        for source, target in zip(self.source_files, self.files):
+            a, b = root(source), root(target)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+        first: dict[str, str] = {}
+        for source in self.source_files:
+            group = root(source)
+            first[group] = min(first.get(group, source), source)
+        return [first[root(source)] for source in self.source_files]
 
 
 def _inside(root: Path, name: str) -> Path | None:
@@ -126,7 +156,7 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
     editing = any(row.get("source") for _, _, row in rows)
     seen: dict[Path, np.ndarray] = {}  # sources read once however many edits they have
     resolved = root.resolve()
-    images, captions, sources, source_files = [], [], [], []
+    images, captions, sources, source_files, files = [], [], [], [], []
     for where, caption, row in rows:
         if editing and not row.get("source"):
             skipped.setdefault("no source", []).append(where)
@@ -150,6 +180,7 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
                 continue
             sources.append(pixels)
             source_files.append(source.relative_to(resolved).as_posix())
+            files.append(path.relative_to(resolved).as_posix())
         images.append(image)
         captions.append(caption)
     if skipped:
@@ -163,4 +194,4 @@ def load_image_folder(root: str | Path, size: int) -> ImageFolder:
         return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
 
     return ImageFolder(stack(images), captions, skipped, stack(sources) if editing else None,
-                       source_files if editing else None)
+                       source_files if editing else None, files if editing else None)

@@ -50,7 +50,7 @@ def test_pretrain_grpo_and_eval_on_the_editing_task(tmp_path, capsys):
                  "--prompts", "heldout", "--num-prompts", "6", "--steps", "3", "--out", str(run / "eval"),
                  "--data", "heldout_per_category=3"]) == 0  # one more held-out edit per kind than pretraining listed
     table = (run / "eval" / "report.md").read_text()
-    assert "| shapes_edit_strict: colour (3 prompts) |" in table and "| shapes_edit: shape (3 prompts) |" in table
+    assert "| shapes_edit_strict: colour (3 edits) |" in table and "| shapes_edit: shape (3 edits) |" in table
     assert "| shapes_edit_preserved (mean) |" in table
     # each grid shows every edit's source beside its output; the run report puts the source first in each group
     assert json.loads((run / "eval" / "eval.json").read_text())["grid_span"] == 2

@@ -1,6 +1,7 @@
 """An editing folder: ``captions.jsonl`` lines with a ``source`` image. Each row's source is its conditioning
 image (the same pixels as the built-in editing set's when that set is written out as PNGs), rows that lack
-one are skipped and named, the split keeps every edit of a source on one side, and an instruction repeated
+one are skipped and named, the split keeps every edit of a source on one side (and every row linked to it
+through a file that is one row's output and another's input), and an instruction repeated
 over several sources is evaluated with each row's own source, not the first."""
 
 import json
@@ -46,6 +47,25 @@ def test_an_editing_folder_reads_each_rows_source_and_names_what_it_skips(tmp_pa
     _png(plain / "a.png", (220, 30, 30))
     (plain / "captions.jsonl").write_text(json.dumps({"file": "a.png", "caption": "a red square"}) + "\n")
     assert load_image_folder(plain, 4).sources is None  # no line names a source: a text-to-image folder
+
+
+def test_rows_linked_by_a_file_that_is_one_rows_output_and_anothers_input_share_a_split_key(tmp_path):
+    names = ("a", "b", "c", "d", "e", "f")
+    for i, name in enumerate(names):
+        _png(tmp_path / f"{name}.png", (40 * i, 0, 0))
+    # b.png is row 0's output and row 1's input, so rows 0-2 are one group (keyed by its first source, a.png);
+    # rows 3-4 share a source (e.png); row 5 is alone
+    pairs = [("b", "c"), ("a", "b"), ("c", "d"), ("e", "f"), ("e", "d2"), ("f", "x")]
+    _png(tmp_path / "d2.png", (1, 2, 3))
+    _png(tmp_path / "x.png", (3, 2, 1))
+    rows = [{"file": f"{t}.png", "source": f"{s}.png", "caption": f"{s} to {t}"} for s, t in pairs]
+    (tmp_path / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_image_folder(tmp_path, 4)
+    assert got.files == ["c.png", "b.png", "d.png", "f.png", "d2.png", "x.png"]
+    # row 5's source f.png is row 3's output: it joins e.png's group
+    assert got.split_keys() == ["a.png", "a.png", "a.png", "e.png", "e.png", "e.png"]
+    (tmp_path / "captions.jsonl").write_text(json.dumps({"file": "b.png", "caption": "plain"}) + "\n")
+    assert load_image_folder(tmp_path, 4).split_keys() == ["plain"]
 
 
 def test_the_built_in_editing_set_written_as_a_folder_reads_back_the_same(tmp_path):
@@ -97,7 +117,10 @@ def test_a_repeated_instruction_is_evaluated_with_each_rows_own_source(tmp_path)
                "grids": []}
     assert "| r (mean) | 0.5000 | 1.0000 | +0.5000 (nan) | n/a |" in report_table(results)  # one cluster
     results["clusters"] = [f"keep it [row {i}]" for i in range(4)]
-    assert "| r (mean) | 0.5000 | 1.0000 | +0.5000 (0.2887) | +1.7 |" in report_table(results)
+    results["categories"] = {"r": ["colour", "colour", "colour", "shape"]}
+    table = report_table(results)
+    assert "| r (mean) | 0.5000 | 1.0000 | +0.5000 (0.2887) | +1.7 |" in table
+    assert "| r: colour (3 edits) |" in table and "| r: shape (1 edits) |" in table  # counted by row, not text
 
 
 def test_curate_and_cache_refuse_an_editing_folder_instead_of_dropping_its_sources(tmp_path, capsys):
@@ -106,11 +129,11 @@ def test_curate_and_cache_refuse_an_editing_folder_instead_of_dropping_its_sourc
 
     folder = tmp_path / "pairs"
     folder.mkdir()
-    for i, rgb in enumerate([(220, 30, 30), (30, 30, 220)] * 10):
+    for i, rgb in enumerate([(220, 30, 30), (30, 30, 220)] * 20):
         _png(folder / f"{i}.png", rgb)
-    (folder / "captions.jsonl").write_text("".join(
-        json.dumps({"file": f"{i}.png", "source": f"{(i + 1) % 20}.png", "caption": "swap the colour"}) + "\n"
-        for i in range(20)))
+    (folder / "captions.jsonl").write_text("".join(  # 20 unlinked pairs, so both splits have rows
+        json.dumps({"file": f"{i}.png", "source": f"{i + 21 if i % 2 == 0 else i + 19}.png",
+                    "caption": "swap the colour"}) + "\n" for i in range(20)))
     data = ["data.source=folder", f"data.path={folder}", "data.heldout_fraction=0.2"]
     assert main(["cache", str(ROOT / "configs/cache/emoji_tiny.yaml"), f"run_dir={tmp_path / 'c'}", *data]) == 1
     assert f"the folder '{folder}' is an editing set" in capsys.readouterr().err
