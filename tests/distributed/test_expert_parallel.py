@@ -183,6 +183,7 @@ def _grpo_resumed(rank, world, folder, run_dir, steps, overrides):
     return [r["reward_mean"] for r in metrics if "reward_mean" in r] if rank == 0 else None
 
 
+@pytest.mark.long  # make test keeps the EP 2 iteration above and the sharded resume of test_checkpoint.py
 def test_an_ep2_checkpoint_resumes_as_the_uninterrupted_run(hidream_folder, tmp_path, capsys):
     """Each EP rank writes its own experts into the DCP checkpoint; 2 iterations with a stop and a resume
     after the first equal one process's 2 uninterrupted iterations."""

@@ -31,7 +31,7 @@ WEIGHT_TOL = 1e-4
 CASES = {"nft": (), "awm": (), "dgpo": (), "nft_full": ("policy.lora_rank=0",),
          "nft_sp": ("parallel.sp=2",), "dgpo_tp": ("parallel.tp=2",),
          "dgpo_ptx": ("data_loss.weight=1", "data_loss.batch_size=6")}  # each rank: 3 of 6 train images
-LONG = {"awm", "nft_sp", "dgpo_tp", "dgpo_ptx"}  # make test keeps NFT (LoRA, full) and DGPO on 2 data-parallel ranks
+LONG = {"awm", "nft_full", "nft_sp", "dgpo_tp", "dgpo_ptx"}  # make test: NFT (LoRA) and DGPO on 2 data-parallel ranks
 
 
 def _forward(rank, world, export, run_dir, loss, overrides):

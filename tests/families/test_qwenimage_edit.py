@@ -137,6 +137,7 @@ def test_log_probs_recomputed_with_the_recorded_source(edit_folder, capsys):
     assert worst <= TOL and moved > 1e-3
 
 
+@pytest.mark.long  # make test exports an editing pipeline for FLUX Kontext (test_flux_kontext.py)
 def test_grpo_exports_an_edit_pipeline_and_lora(edit_folder, tmp_path, capsys):
     from diffusers import QwenImageEditPipeline
     from safetensors.torch import load_file

@@ -165,6 +165,7 @@ def test_half_an_a14b_folder_is_refused(a14b_folder, tmp_path):
         wan.check_folder(tmp_path)
 
 
+@pytest.mark.long  # make test keeps FLUX under FSDP (test_family_fsdp.py)
 def test_a14b_fsdp_on_two_ranks_equals_one_process(a14b_folder, tmp_path, capsys):
     """FSDP2 shards both experts' blocks: a GRPO iteration on 2 ranks sees the rewards of one process and
     exports the same adapters for both experts."""

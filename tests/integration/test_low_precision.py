@@ -20,6 +20,7 @@ require_extra("torchao", "lowp")
 FP8 = ["train.low_precision.recipe=fp8_rowwise", "train.low_precision.emulate=true"]
 
 
+@pytest.mark.long  # make test keeps the FP8 ratio, loss and resume checks below
 def test_fifty_emulated_fp8_pretraining_steps_track_bf16(tmp_path):
     runs = {}
     for name, extra in (("bf16", []), ("fp8", FP8)):

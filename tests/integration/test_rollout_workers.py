@@ -85,8 +85,8 @@ def _two_iterations_equal(tiny_export, tmp_path, syncs, capsys) -> dict:
     return la
 
 
-@pytest.mark.parametrize("loss", ["nft", pytest.param("awm", marks=pytest.mark.long),
-                                  pytest.param("dgpo", marks=pytest.mark.long)])
+@pytest.mark.long  # make test keeps NFT on 2 ranks (test_forward_ranks.py) and the sync workers' equality above
+@pytest.mark.parametrize("loss", ["nft", "awm", "dgpo"])
 def test_forward_process_losses_on_two_workers_equal_the_colocated_run(loss, tiny_export, tmp_path, ray_cluster,
                                                                         capsys):
     """NFT samples with its old policy: the workers receive the old weights (swapped in when the packet is

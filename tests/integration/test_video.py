@@ -53,6 +53,7 @@ def test_video_rollout_log_probs_recomputed_in_training_equal_rollout(video_expo
             assert (new - mb.log_probs[:, t]).abs().max().item() <= 1e-5, t
 
 
+@pytest.mark.long  # make test keeps the video GRPO run on a deterministic reward below
 def test_video_grpo_runs_with_video_rewards(video_export, tmp_path):
     from tests.conftest import grpo_config
 

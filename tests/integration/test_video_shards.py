@@ -75,7 +75,7 @@ def test_short_and_corrupt_clips_are_skipped_with_their_reason(clips):
     assert {k for _, k, _ in fed.skipped} == {"short", "broken"} & {train.where(j)[1] for j in range(len(train))}
 
 
-@pytest.mark.long  # make test pretrains from clip shards in test_a_video_cache_trains_what_the_clips_train
+@pytest.mark.long  # make test reads clip shards back below and trains from an image cache (test_latent_cache.py)
 def test_a_video_family_pretrains_from_clip_shards(tmp_path):
     from pretrain.config import load_config
     from pretrain.trainer import PretrainConfig, train
@@ -111,6 +111,7 @@ def test_curate_scores_video_clips_and_writes_mp4_shards_that_read_back(tmp_path
     assert video.shape == (4, 3, 16, 16) and len(train) + len(held) == 24 and caption
 
 
+@pytest.mark.long  # make test reads video shards back above and trains from a latent cache in test_latent_cache.py
 def test_a_video_cache_trains_what_the_clips_train(tmp_path):
     """Clip shards cached with the video codec (frame code included): the Wan preset's losses from the
     cache equal those from decoding the clips on the fly."""

@@ -20,6 +20,7 @@ def _tiny_vae_codec() -> VAECodec:
     return VAECodec(vae)
 
 
+@pytest.mark.long  # make test keeps the compiled Wan blocks (test_wan.py)
 def test_compiled_decoder_gives_the_eager_images():
     codec = _tiny_vae_codec()
     latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))

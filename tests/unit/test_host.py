@@ -48,6 +48,7 @@ def test_kept_memory_is_reused_without_page_faults():
     assert kept < 0.6 * default
 
 
+@pytest.mark.long  # make test keeps the reuse check above
 def test_the_default_keeps_freed_memory_on_a_cpu_only():
     _, on_gpu = _rounds("host.configure_host(RuntimeConfig(), 'cuda')")
     _, off = _rounds("host.configure_host(RuntimeConfig(keep_freed_memory=False), 'cpu')")

@@ -41,6 +41,7 @@ def test_a_learned_clip_folder_is_refused_naming_the_format(tmp_path):
         load_learned_judge(tmp_path / "nothing")
 
 
+@pytest.mark.long  # make test trains a stand-in from a saved one below
 def test_train_reward_judge_objective_learns_the_judge(tmp_path, tiny_export):
     from posttrain.cli import main
 
