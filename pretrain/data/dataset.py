@@ -308,8 +308,8 @@ def build_datasets(cfg: DataConfig, encoder) -> tuple[EncodedSet, EncodedSet]:
         if cfg.limit:
             idx = idx[: cfg.limit if name == "train" else max(1, cfg.limit // 8)]
         if not idx:
-            linked = (f"; an editing folder splits by groups of linked source and target files, and it has "
-                      f"{len(set(keys))}" if conditions is not None else "")
+            linked = (f"; an editing folder splits by groups of linked source and target files: "
+                      f"{len(set(keys))} group(s) here" if conditions is not None else "")
             raise DatasetError(f"data: the {name} split is empty ({len(captions)} samples, "
                                f"heldout_fraction={cfg.heldout_fraction}{linked})")
         caps, rows = [captions[i] for i in idx], torch.as_tensor(idx)

@@ -50,20 +50,22 @@ def test_an_editing_folder_reads_each_rows_source_and_names_what_it_skips(tmp_pa
 
 
 def test_rows_linked_by_a_file_that_is_one_rows_output_and_anothers_input_share_a_split_key(tmp_path):
-    names = ("a", "b", "c", "d", "e", "f")
-    for i, name in enumerate(names):
-        _png(tmp_path / f"{name}.png", (40 * i, 0, 0))
+    for i, name in enumerate(("a", "b", "c", "d", "e", "f", "d2", "x", "g", "h")):
+        _png(tmp_path / f"{name}.png", (20 * i, 0, 0))
     # b.png is row 0's output and row 1's input, so rows 0-2 are one group (keyed by its first source, a.png);
-    # rows 3-4 share a source (e.png); row 5 is alone
-    pairs = [("b", "c"), ("a", "b"), ("c", "d"), ("e", "f"), ("e", "d2"), ("f", "x")]
-    _png(tmp_path / "d2.png", (1, 2, 3))
-    _png(tmp_path / "x.png", (3, 2, 1))
+    # rows 3-4 share a source (e.png) and row 5's source f.png is row 3's output, so it joins them; row 6 is
+    # linked to no other row and keeps its own source
+    pairs = [("b", "c"), ("a", "b"), ("c", "d"), ("e", "f"), ("e", "d2"), ("f", "x"), ("g", "h")]
     rows = [{"file": f"{t}.png", "source": f"{s}.png", "caption": f"{s} to {t}"} for s, t in pairs]
     (tmp_path / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = load_image_folder(tmp_path, 4)
-    assert got.files == ["c.png", "b.png", "d.png", "f.png", "d2.png", "x.png"]
-    # row 5's source f.png is row 3's output: it joins e.png's group
-    assert got.split_keys() == ["a.png", "a.png", "a.png", "e.png", "e.png", "e.png"]
+    assert got.files == ["c.png", "b.png", "d.png", "f.png", "d2.png", "x.png", "h.png"]
+    want = ["a.png", "a.png", "a.png", "e.png", "e.png", "e.png", "g.png"]
+    assert got.split_keys() == want
+    # the keys do not depend on the order of the lines
+    order = [6, 3, 0, 5, 2, 4, 1]
+    (tmp_path / "captions.jsonl").write_text("".join(json.dumps(rows[i]) + "\n" for i in order))
+    assert load_image_folder(tmp_path, 4).split_keys() == [want[i] for i in order]
     (tmp_path / "captions.jsonl").write_text(json.dumps({"file": "b.png", "caption": "plain"}) + "\n")
     assert load_image_folder(tmp_path, 4).split_keys() == ["plain"]
 
