@@ -10,6 +10,8 @@ the file's rewards, where ``rewards={aesthetic: 1}`` alone merges into them (wit
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import os
 from dataclasses import fields, is_dataclass
@@ -39,9 +41,21 @@ def _describe(e: OmegaConfBaseException, schema: type | None = None) -> str:
     return f"key '{key}': {msg}" if key else msg
 
 
+@functools.cache
+def _schema_defaults(schema: type):
+    """``OmegaConf.structured(schema)``, built once per class (it walks every nested dataclass: about 0.1 s
+    for a stage's schema, 7x a copy); callers get a deep copy, so the cached tree is never modified."""
+    return OmegaConf.structured(schema)
+
+
+def defaults(schema: type):
+    """A fresh ``DictConfig`` of ``schema``'s defaults (a deep copy of the cached one)."""
+    return copy.deepcopy(_schema_defaults(schema))
+
+
 def load_config(schema: type[T], path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """Merge ``path`` (YAML) then ``overrides`` (``dotted.key=value``) onto ``schema``'s defaults."""
-    cfg = OmegaConf.structured(schema)
+    cfg = defaults(schema)
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -157,7 +171,7 @@ def load_section(schema: type[T], values: dict, key: str) -> T:
     part's options), validated; ``ValueError`` naming ``key.<field>`` for an unknown field or a wrong
     type (the caller's config loading turns it into a ``ConfigError`` naming the file)."""
     try:
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(values)))
+        obj = OmegaConf.to_object(OmegaConf.merge(defaults(schema), dict(values)))
     except OmegaConfBaseException as e:
         field_name = getattr(e, "full_key", None) or getattr(e, "key", None)
         msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]
