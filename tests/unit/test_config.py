@@ -58,6 +58,24 @@ def placeholder(key: str, tmp_path) -> str:
     return f"/path/to/{key.replace('.', '_')}"
 
 
+def test_a_load_leaves_the_cached_defaults_as_they_were(tmp_path):
+    """Every load starts from one cached tree of a schema's defaults: what a load without a file overrides
+    or removes (``~rewards``) must not reach the next load."""
+    from posttrain.stages import get_stage
+    from pretrain.config import load_config
+
+    schema, path = get_stage("grpo")[0], ROOT / "configs/grpo/emoji_tiny.yaml"
+    plain = load_config(schema, path)
+    changed = load_config(schema, None, [f"model.pretrained={tmp_path}", "~rewards",
+                                         "rewards={jpeg_compressibility: 2.0}", "train.steps=7",
+                                         "optim.betas=[0.5,0.5]"])
+    assert changed.rewards == {"jpeg_compressibility": 2.0} and changed.train.steps == 7
+    assert changed.optim.betas == [0.5, 0.5]
+    again = load_config(schema, path)
+    assert again == plain and again.optim.betas == [0.9, 0.999] and again.rewards == plain.rewards
+    assert again.optim.betas is not plain.optim.betas  # each load has its own objects
+
+
 def test_every_shipped_config_loads(tmp_path):
     from posttrain.pipeline import PipelineConfig
     from posttrain.stages import get_stage
