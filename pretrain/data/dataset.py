@@ -34,10 +34,10 @@ class DataConfig:
     batch, see :mod:`pretrain.data.prompts`) or "shapes" (``scenes`` rendered compositional scenes for
     training and ``heldout_per_category`` held-out prompts per GenEval category, :mod:`pretrain.data.shapes`;
     ``layout``: "random" cells or "reading" order, :func:`pretrain.data.shapes.layout`). ``size``: image
-    side in pixels. ``heldout_fraction``: share of base emoji (or captions; an editing folder's source
-    images) held out; for "shapes", the share of counting, position and colour-attribution compositions
-    never rendered for training. ``limit``: keep only the first N train / N//8 held-out samples (tests).
-    "shapes_edit": instruction edits of the shapes
+    side in pixels. ``heldout_fraction``: share of base emoji (or captions; an editing folder's groups of
+    linked files, :meth:`pretrain.data.folder.ImageFolder.split_keys`) held out; for "shapes", the share of
+    counting, position and colour-attribution compositions never rendered for training. ``limit``: keep
+    only the first N train / N//8 held-out samples (tests). "shapes_edit": instruction edits of the shapes
     scenes, the source image each prompt's conditioning image and the edited scene its target, with
     ``heldout_per_category`` held-out edits per edit kind (:func:`pretrain.data.builtin.load_shapes_edit`).
     ``cache_dir``: defaults to $POSTTRAIN_CACHE or ~/.cache/posttrain. ``train_half``: 0 or 1 keeps
